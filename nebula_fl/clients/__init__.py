@@ -1,0 +1,1 @@
+"""Cluster side: the thin per-message ClientApp and the persistent trainer it talks to."""

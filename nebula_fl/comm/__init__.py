@@ -1,0 +1,1 @@
+"""What crosses the WAN, and how much of it."""

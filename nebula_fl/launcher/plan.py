@@ -1,0 +1,191 @@
+"""Turn `nebula-fl run` flags into a checked launch plan, before any process starts.
+
+Precedence, lowest first: the defaults (``[tool.flwr.app.config]``), the preset, the dedicated flags,
+then ``--run-config`` (parsed by Flower's own parser, so it means exactly what it means to
+``flwr run``). Every check that can fail fails here, with one sentence, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flwr.common.config import parse_config_args
+
+from nebula_fl.config import PRESETS, RunConfig, check_known_keys
+from nebula_fl.data.datasets import plan_partition, resolve_dataset_path
+from nebula_fl.errors import NebulaError
+from nebula_fl.model.locate import resolve_model_path
+from nebula_fl.server.run_folder import RunFolder
+
+FLAG_KEYS = {
+    "rounds": "num-server-rounds",
+    "local_steps": "local-steps",
+    "outer_optimizer": "outer-optimizer",
+    "partition": "partition",
+    "seed": "seed",
+}
+RESUME_FLAGS = {"rounds", "port"}
+
+
+@dataclass(kw_only=True)
+class LaunchPlan:
+    config: RunConfig
+    out: Path
+    clusters: int
+    workers: list[int]
+    devices: list[str]
+    port: int
+    resume: bool
+
+    @property
+    def threads(self) -> list[int]:
+        """Torch threads per worker: the machine's cores shared evenly by every worker of every cluster."""
+        cores = os.cpu_count() or 1
+        per = max(1, cores // max(1, sum(self.workers)))
+        return [per] * self.clusters
+
+    def launcher_record(self) -> dict[str, Any]:
+        return {"clusters": self.clusters, "workers": self.workers, "devices": self.devices, "port": self.port}
+
+
+def parse_run_config(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        overrides = parse_config_args([text])
+    except Exception as err:  # flwr raises click's exception type with its own sentence
+        raise NebulaError(f"--run-config '{text}' cannot be parsed: {getattr(err, 'message', err)}") from None
+    check_known_keys(overrides)
+    return overrides
+
+
+def _per_cluster(text: str, clusters: int, flag: str, cast) -> list:
+    values = [cast(v.strip()) for v in str(text).split(",") if v.strip()]
+    if len(values) == 1:
+        values = values * clusters
+    if len(values) != clusters:
+        raise NebulaError(f"{flag} lists {len(values)} values for {clusters} clusters; give one value or one per cluster")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise NebulaError(f"--workers-per-cluster has '{text}'; each cluster needs 1 or more workers")
+    return value
+
+
+def _device(text: str) -> str:
+    if text not in ("cpu", "cuda"):
+        raise NebulaError(f"--device has '{text}'; use cpu or cuda (one value, or one per cluster)")
+    return text
+
+
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_plan(args: Any) -> LaunchPlan:
+    if args.resume:
+        return _resume_plan(args)
+    clusters = 2 if args.clusters is None else args.clusters
+    preset = args.preset or "demo"
+    if clusters < 1:
+        raise NebulaError(f"--clusters is {clusters}; a federation needs at least 1 cluster")
+    flat: dict[str, Any] = dict(PRESETS[preset])
+    for attr, key in FLAG_KEYS.items():
+        if getattr(args, attr) is not None:
+            flat[key] = getattr(args, attr)
+    flat["min-clusters"] = clusters
+    flat.update(parse_run_config(args.run_config))
+    out = Path(args.out).expanduser().resolve() if args.out else _default_out(preset)
+    flat["out-dir"] = str(out)
+    flat["resume"] = False
+    config = RunConfig().replace(flat)
+    folder = RunFolder(out)
+    if (out / "config.json").exists() or folder.load_checkpoint():
+        raise NebulaError(f"run folder '{out}' already holds a run; pass a new --out, or --resume {out}")
+    workers = _per_cluster(args.workers_per_cluster or "1", clusters, "--workers-per-cluster", _positive_int)
+    devices = _per_cluster(args.device or "cpu", clusters, "--device", _device)
+    plan = LaunchPlan(config=config, out=out, clusters=clusters, workers=workers, devices=devices,
+                      port=args.port, resume=False)
+    _check(plan)
+    return plan
+
+
+def _resume_plan(args: Any) -> LaunchPlan:
+    given = [name for name in ("clusters", "local_steps", "outer_optimizer", "partition", "seed", "out", "run_config",
+                               "workers_per_cluster", "device", "preset")
+             if getattr(args, name) is not None]
+    if given:
+        raise NebulaError(
+            f"--resume continues a run with its own config; drop --{given[0].replace('_', '-')} "
+            "(only --rounds and --port may change)"
+        )
+    folder = RunFolder(args.resume)
+    stored = folder.read_config()
+    if "run_config" not in stored or "launcher" not in stored:
+        raise NebulaError(f"'{folder.path}' was not started by `nebula-fl run`; resume it with flwr run and resume=true")
+    flat = dict(stored["run_config"])
+    flat.update({"resume": True, "out-dir": str(folder.path)})
+    if args.rounds is not None:
+        flat["num-server-rounds"] = args.rounds
+    config = RunConfig.from_flat(flat)
+    ckpt = folder.load_checkpoint()
+    done = ckpt[0] if ckpt else 0
+    if done >= config.federation.num_server_rounds:
+        raise NebulaError(
+            f"run '{folder.path}' already completed {done} of {config.federation.num_server_rounds} rounds; "
+            "pass --rounds N with N larger to extend it"
+        )
+    launcher = stored["launcher"]
+    plan = LaunchPlan(config=config, out=folder.path, clusters=int(launcher["clusters"]),
+                      workers=list(launcher["workers"]), devices=list(launcher["devices"]),
+                      port=args.port, resume=True)
+    _check(plan)
+    return plan
+
+
+def _default_out(preset: str) -> Path:
+    import time
+
+    return (Path("runs") / f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+
+
+def _check(plan: LaunchPlan) -> None:
+    cfg = plan.config
+    resolve_model_path(cfg.model.model)
+    resolve_dataset_path(cfg.data.dataset)
+    parts = plan_partition(cfg.data, seed=cfg.federation.seed, num_clusters=plan.clusters)
+    for i, (part, workers) in enumerate(zip(parts, plan.workers, strict=True)):
+        if len(part) < workers:
+            raise NebulaError(
+                f"cluster {i} gets {len(part)} examples with partition '{cfg.data.partition}' over "
+                f"{plan.clusters} clusters ({workers} worker(s) need at least {workers}); raise the Dirichlet "
+                "alpha, use fewer clusters, or use 'iid'"
+            )
+    if plan.port and not port_free(plan.port):
+        raise NebulaError(f"port {plan.port} on 127.0.0.1 is in use; pass --port N (or --port 0 to pick a free one)")
+    if "cuda" in plan.devices:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise NebulaError("--device asks for cuda but no CUDA device is visible; use --device cpu")

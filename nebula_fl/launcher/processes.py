@@ -1,0 +1,142 @@
+"""Start processes in their own sessions, watch them, and stop every one of them and their children.
+
+Flower's SuperLink starts its SuperExec in a new session, and SuperExec starts the ServerApp; a
+SuperNode's SuperExec starts a ClientApp per message. Killing a process group therefore misses some
+of them, so stopping walks each process tree (psutil), signals every member, waits, and repeats for
+anything spawned meanwhile, then SIGKILLs what is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+
+@dataclass
+class Managed:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    expect_exit: bool = False  # a command that ends by itself (flwr run), not a service
+    known: dict[int, float] = field(default_factory=dict)  # pid -> create_time of every descendant seen
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class ProcessSet:
+    """The processes one launch started, stopped together in the order they were started.
+
+    The first one started (the SuperLink, whose tree holds the ServerApp) is stopped first, so the
+    ServerApp records an interruption while the clusters are still there, rather than a failed round.
+    """
+
+    def __init__(self) -> None:
+        self.items: list[Managed] = []
+
+    def start(
+        self, name: str, argv: Sequence[str], *, log_path: Path, env: dict[str, str], cwd: Path | None = None,
+        expect_exit: bool = False,
+    ) -> Managed:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as log:
+            popen = subprocess.Popen(
+                list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, cwd=cwd, start_new_session=True,
+            )
+        managed = Managed(name, popen, log_path, expect_exit)
+        self.items.append(managed)
+        return managed
+
+    def remember_descendants(self) -> None:
+        """Record every live descendant, so a child orphaned later is still found and stopped."""
+        for item in self.items:
+            for proc in _tree(item.popen.pid):
+                try:
+                    item.known.setdefault(proc.pid, proc.create_time())
+                except psutil.NoSuchProcess:
+                    pass
+
+    def first_dead_service(self) -> Managed | None:
+        return next((m for m in self.items if not m.expect_exit and not m.alive()), None)
+
+    def all_pids(self) -> dict[int, float]:
+        self.remember_descendants()
+        out: dict[int, float] = {}
+        for item in self.items:
+            out.update(item.known)
+        return out
+
+    def stop_all(self, *, grace: float = 8.0) -> None:
+        for item in self.items:
+            self._stop(item, grace=grace)
+        for item in self.items:
+            item.popen.poll()
+
+    def _stop(self, item: Managed, *, grace: float) -> None:
+        members = {p.pid: p for p in _tree(item.popen.pid)}
+        for pid, created in item.known.items():
+            if pid not in members:
+                try:
+                    proc = psutil.Process(pid)
+                    if abs(proc.create_time() - created) < 1e-3:
+                        members[pid] = proc
+                except psutil.NoSuchProcess:
+                    pass
+        deadline = time.monotonic() + grace
+        sent: set[int] = set()
+        while True:
+            for proc in list(members.values()):
+                for child in _tree(proc.pid)[1:]:
+                    members.setdefault(child.pid, child)
+            alive = [p for p in members.values() if _running(p)]
+            if not alive:
+                break
+            sig = signal.SIGTERM if time.monotonic() < deadline else signal.SIGKILL
+            for proc in alive:
+                if sig == signal.SIGKILL or proc.pid not in sent:
+                    try:
+                        proc.send_signal(sig)
+                    except psutil.NoSuchProcess:
+                        pass
+                    sent.add(proc.pid)
+            if sig == signal.SIGKILL:
+                psutil.wait_procs(alive, timeout=2)
+            else:
+                time.sleep(0.1)
+            item.popen.poll()
+        if item.popen.poll() is None:
+            try:
+                os.killpg(item.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            item.popen.wait(timeout=5)

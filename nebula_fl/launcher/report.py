@@ -1,0 +1,72 @@
+"""What the person at the terminal sees: one line per event, one row per round, a table at the end."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def _fmt(value: Any, spec: str = ".4f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def round_line(line: dict[str, Any], total: int) -> str:
+    clusters = line.get("clusters", {})
+    per = ", ".join(
+        f"c{cid} {c.get('train_loss', float('nan')):.3f}"
+        for cid, c in sorted(clusters.items()) if isinstance(c.get("train_loss"), int | float)
+    )
+    rejected = f" | dropped: {', '.join(sorted(line['rejected']))}" if line.get("rejected") else ""
+    return (
+        f"round {line['round']}/{total}: accuracy {_fmt(line.get('accuracy'))}, macro-F1 {_fmt(line.get('macro_f1'))}, "
+        f"up {human_bytes(line.get('bytes_up'))}, down {human_bytes(line.get('bytes_down'))}, "
+        f"{line.get('seconds', 0):.1f} s (train loss {per}){rejected}"
+    )
+
+
+def results_table(rounds: Sequence[dict[str, Any]], *, initial: dict[str, Any] | None = None) -> Table:
+    cluster_ids = sorted({cid for line in rounds for cid in line.get("clusters", {})})
+    table = Table(title="nebula-fl: per-round results (bytes = serialized payload per cluster)")
+    for name in ("round", "accuracy", "macro-F1", "loss", "train loss"):
+        table.add_column(name, justify="right")
+    for cid in cluster_ids:
+        table.add_column(f"cluster {cid} up / down", justify="right")
+    table.add_column("seconds", justify="right")
+    if initial:
+        table.add_row("0", _fmt(initial.get("accuracy")), _fmt(initial.get("macro_f1")), _fmt(initial.get("loss")),
+                      "-", *["-" for _ in cluster_ids], "-")
+    for line in rounds:
+        cells = []
+        for cid in cluster_ids:
+            c = line.get("clusters", {}).get(cid)
+            cells.append(f"{human_bytes(c['bytes_up'])} / {human_bytes(c['bytes_down'])}" if c else "-")
+        table.add_row(
+            str(line["round"]), _fmt(line.get("accuracy")), _fmt(line.get("macro_f1")), _fmt(line.get("loss")),
+            _fmt(line.get("train_loss")), *cells, f"{line.get('seconds', 0):.1f}",
+        )
+    return table
+
+
+def print_summary(console: Console, rounds: Sequence[dict[str, Any]], summary: dict[str, Any], out: str) -> None:
+    if rounds:
+        console.print(results_table(rounds, initial=summary.get("initial_evaluation")))
+    status = summary.get("status", "unknown")
+    console.print(
+        f"status: {status} | rounds {summary.get('rounds_completed', 0)}/{summary.get('num_server_rounds', '?')} | "
+        f"final accuracy {_fmt(summary.get('final_accuracy'))} | up {human_bytes(summary.get('bytes_up_total'))} | "
+        f"down {human_bytes(summary.get('bytes_down_total'))} | wall {summary.get('wall_seconds') or 0:.0f} s"
+    )
+    console.print(f"run folder: {out}")

@@ -1,0 +1,1 @@
+"""The base model, its LoRA adapter, and the tensors that cross the WAN."""

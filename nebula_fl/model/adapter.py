@@ -1,0 +1,34 @@
+"""The adapter as a dict of NumPy arrays: what crosses the WAN, and nothing of the base model.
+
+PEFT's own ``get_peft_model_state_dict`` / ``set_peft_model_state_dict`` decide which tensors belong
+to the adapter (the LoRA factors and the modules-to-save head); this module only converts and checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+
+from nebula_fl.comm.validation import check_arrays
+
+Arrays = dict[str, np.ndarray]
+
+
+def adapter_arrays(model: PeftModel) -> Arrays:
+    """Copies of the adapter tensors as float32 NumPy arrays, keyed as PEFT names them."""
+    return {k: v.detach().cpu().float().numpy().copy() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def load_adapter_arrays(model: PeftModel, arrays: Mapping[str, np.ndarray]) -> None:
+    """Set the model's adapter to `arrays`, which must match its keys and shapes exactly."""
+    check_arrays(expected=adapter_shapes(model), arrays=arrays, what="adapter")
+    device = next(model.parameters()).device
+    state = {k: torch.as_tensor(np.asarray(v), dtype=torch.float32, device=device) for k, v in arrays.items()}
+    set_peft_model_state_dict(model, state)
+
+
+def adapter_shapes(model: PeftModel) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model).items()}

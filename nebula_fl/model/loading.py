@@ -1,0 +1,56 @@
+"""Find, check and load the base model; wrap it with a PEFT LoRA adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from nebula_fl.config import ModelConfig
+from nebula_fl.errors import NebulaError
+from nebula_fl.model.classifier import SequenceClassifier
+from nebula_fl.model.locate import resolve_model_path
+
+HEAD = "head"
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def build_model(cfg: ModelConfig, *, num_labels: int, seed: int, path: Path | None = None) -> PeftModel:
+    """The base encoder with a fresh classification head, wrapped by LoRA; only adapter + head train.
+
+    The same (cfg, num_labels, seed) gives the same initial adapter everywhere, but only the server's
+    initial adapter matters: clusters overwrite theirs with the global one every round.
+    """
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    path = path or resolve_model_path(cfg.model)
+    torch.manual_seed(seed)
+    try:
+        encoder = AutoModel.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise NebulaError(f"could not load the model in '{path}': {str(err).splitlines()[0]}") from None
+    model = SequenceClassifier(encoder, hidden_size=encoder.config.hidden_size, num_labels=num_labels)
+    names = {name.rsplit(".", 1)[-1] for name, _ in encoder.named_modules()}
+    missing = [m for m in cfg.target_modules() if m not in names]
+    if missing:
+        raise NebulaError(
+            f"lora-target-modules names {', '.join(missing)}, which the model in '{path}' does not have; "
+            "for BERT-style models use e.g. 'query,key,value,dense'"
+        )
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=cfg.target_modules(),
+        modules_to_save=[HEAD],
+    )
+    return get_peft_model(model, lora)

@@ -1,0 +1,1 @@
+"""Server side: the ServerApp, server-side evaluation, and the run folder with its checkpoints."""

@@ -1,0 +1,257 @@
+"""The ServerApp: validate the config, open the run folder, evaluate, drive the strategy, record it all.
+
+Runs inside Flower's ``flwr-serverapp`` process, once per run, whether started by ``nebula-fl run``
+or by a user's ``flwr run . <connection>`` against any SuperLink.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore import log
+
+from nebula_fl.config import RunConfig
+from nebula_fl.errors import NebulaError
+from nebula_fl.server.evaluation import ServerEvaluator
+from nebula_fl.server.plots import plot_accuracy_vs_bytes
+from nebula_fl.server.run_folder import PLOT, RunFolder
+from nebula_fl.strategies import make_strategy
+from nebula_fl.strategies.adapter_strategy import to_numpy, to_record
+from nebula_fl.strategies.base import RoundOutcome
+
+# Keys that may differ between a run and its resumption; everything else must match.
+RESUMABLE_CHANGES = {"resume", "out-dir", "num-server-rounds", "round-timeout", "connect-timeout"}
+
+app = ServerApp()
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT reached the ServerApp."""
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    cfg = RunConfig.from_flat(dict(context.run_config))
+    ServerRun(cfg).run(grid)
+
+
+def wait_for_clusters(grid: Grid, *, minimum: int, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while len(nodes := list(grid.get_node_ids())) < minimum:
+        if time.monotonic() > deadline:
+            raise NebulaError(
+                f"only {len(nodes)} of {minimum} clusters connected within {timeout:.0f} s; start more "
+                "SuperNodes (each with its trainer) or lower min-clusters"
+            )
+        time.sleep(0.5)
+    return nodes
+
+
+class ServerRun:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        out = cfg.federation.out_dir or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        self.folder = RunFolder(out)
+        self.started = time.monotonic()
+        self.wall_before = 0.0
+        self.initial: dict[str, float] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def _open(self) -> tuple[int, dict[str, np.ndarray] | None, dict[str, Any] | None]:
+        """Prepare the folder; returns (first round, checkpointed adapter, checkpointed state)."""
+        flat = self.cfg.to_flat()
+        existing = self.folder.read_config() if (self.folder.path / "config.json").exists() else {}
+        summary = self.folder.read_summary()
+        if self.cfg.federation.resume:
+            stored = existing.get("run_config")
+            if not stored:
+                raise NebulaError(f"cannot resume '{self.folder.path}': it holds no run (no config.json)")
+            changed = sorted(k for k in set(stored) | set(flat) if k not in RESUMABLE_CHANGES and stored.get(k) != flat.get(k))
+            if changed:
+                raise NebulaError(
+                    f"cannot resume '{self.folder.path}' with a different config ({', '.join(changed)}); "
+                    "resume with the run's own config.json"
+                )
+            self.federation_id = existing.get("federation_id") or uuid.uuid4().hex[:12]
+        else:
+            if (summary.get("status") and summary.get("status") != "running") or self.folder.load_checkpoint():
+                raise NebulaError(
+                    f"run folder '{self.folder.path}' already holds a run; pass a new --out, or --resume it"
+                )
+            self.federation_id = uuid.uuid4().hex[:12]
+        self.folder.write_config({**existing, "run_config": flat, "federation_id": self.federation_id})
+        ckpt = self.folder.load_checkpoint() if self.cfg.federation.resume else None
+        if ckpt is None:
+            self.folder.truncate_rounds(0)
+            self.folder.update_summary(status="running", rounds_completed=0, federation_id=self.federation_id,
+                                       num_server_rounds=self.cfg.federation.num_server_rounds, error=None)
+            return 1, None, None
+        done, adapter, state = ckpt
+        self.folder.truncate_rounds(done)
+        self.wall_before = float(state.get("wall_seconds", 0.0))
+        self.initial = state.get("initial_evaluation")
+        self.folder.update_summary(status="running", rounds_completed=done, error=None,
+                                   num_server_rounds=self.cfg.federation.num_server_rounds)
+        log(INFO, "resuming %s after round %d", self.folder.path, done)
+        return done + 1, adapter, state
+
+    def run(self, grid: Grid) -> None:
+        self.folder.path.mkdir(parents=True, exist_ok=True)
+        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+        def _interrupt(signum, _frame):
+            raise Interrupted(signal.Signals(signum).name)
+
+        for s in previous:
+            signal.signal(s, _interrupt)
+        try:
+            # A folder this run may not use (another run's, or a resume with another config) is left untouched.
+            first_round, adapter, state = self._open()
+        except BaseException:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            raise
+        try:
+            self._run_rounds(grid, first_round, adapter, state)
+        except Interrupted as why:
+            self._finish("interrupted", error=f"stopped by {why}")
+            raise SystemExit(130) from None
+        except BaseException as err:
+            self._finish("failed", error=f"{type(err).__name__}: {err}")
+            raise
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _run_rounds(self, grid: Grid, first_round: int, adapter, state) -> None:
+        cfg = self.cfg
+        log(INFO, "run folder: %s", self.folder.path)
+        evaluator = ServerEvaluator(cfg)
+        self.strategy = make_strategy(cfg.outer, clusters_per_round=cfg.federation.clusters_per_round,
+                                      seed=cfg.federation.seed)
+        if state is not None:
+            self.strategy.load_state_dict(state["strategy"])
+        arrays = adapter if adapter is not None else evaluator.initial_adapter()
+        wait_for_clusters(grid, minimum=cfg.federation.min_clusters, timeout=cfg.federation.connect_timeout)
+        train_config = ConfigRecord(
+            {**cfg.train.to_flat(), **cfg.model.to_flat(), "labels": list(evaluator.labels),
+             "federation-id": self.federation_id, "seed": cfg.federation.seed,
+             "num-server-rounds": cfg.federation.num_server_rounds}
+        )
+
+        def evaluate_fn(server_round: int, record: ArrayRecord) -> MetricRecord:
+            metrics = evaluator(server_round, record)
+            if server_round == 0:
+                self.initial = dict(metrics)
+                self.folder.update_summary(initial_evaluation=self.initial)
+                log(INFO, "round 0 (initial adapter): accuracy %.4f", metrics["accuracy"])
+            return metrics
+
+        self.strategy.start(
+            grid,
+            to_record(arrays),
+            num_rounds=cfg.federation.num_server_rounds,
+            timeout=cfg.federation.round_timeout,
+            train_config=train_config,
+            evaluate_fn=evaluate_fn,
+            first_round=first_round,
+            evaluate_initial=cfg.federation.eval_initial,
+            on_round_end=self._record_round,
+        )
+        final = self.folder.load_checkpoint()
+        if final is not None:
+            self.folder.save_adapter(final[1])
+        self._finish("completed")
+
+    # -- per round -------------------------------------------------------------------------------
+    def _record_round(self, outcome: RoundOutcome) -> None:
+        previous = self.folder.rounds()
+        cum_up = previous[-1]["cumulative_bytes_up"] if previous else 0
+        cum_down = previous[-1]["cumulative_bytes_down"] if previous else 0
+        clusters: dict[str, dict[str, Any]] = {}
+        rejected: dict[str, str] = {}
+        for node_id, traffic in outcome.nodes.items():
+            cid = str(traffic.metrics.get("cluster-id", f"node-{node_id}"))
+            if isinstance(traffic.metrics.get("cluster-id"), float):
+                cid = str(int(traffic.metrics["cluster-id"]))
+            clusters[cid] = {"node_id": node_id, "bytes_up": traffic.bytes_up, "bytes_down": traffic.bytes_down,
+                             **{k.replace("-", "_"): v for k, v in traffic.metrics.items() if k != "cluster-id"}}
+            reason = outcome.rejected.get(node_id) or traffic.error
+            if reason:
+                rejected[cid] = reason
+        up = sum(c["bytes_up"] for c in clusters.values())
+        down = sum(c["bytes_down"] for c in clusters.values())
+        evals = dict(outcome.eval_metrics or {})
+        train = dict(outcome.train_metrics or {})
+        elapsed = self.wall_before + time.monotonic() - self.started
+        line = {
+            "round": outcome.round,
+            "accuracy": evals.get("accuracy"),
+            "macro_f1": evals.get("macro_f1"),
+            "loss": evals.get("loss"),
+            "train_loss": train.get("train-loss"),
+            "clusters_aggregated": train.get("clusters"),
+            "update_norm": train.get("update-norm"),
+            "bytes_up": up,
+            "bytes_down": down,
+            "cumulative_bytes_up": cum_up + up,
+            "cumulative_bytes_down": cum_down + down,
+            "cumulative_bytes": cum_up + up + cum_down + down,
+            "seconds": outcome.seconds,
+            "elapsed_seconds": elapsed,
+            "clusters": clusters,
+            "rejected": rejected,
+        }
+        self.folder.append_round(line)
+        self.folder.save_checkpoint(
+            round=outcome.round,
+            adapter=to_numpy(outcome.arrays),
+            state={"strategy": self.strategy.state_dict(), "federation_id": self.federation_id,
+                   "wall_seconds": elapsed, "initial_evaluation": self.initial},
+        )
+        self.folder.update_summary(rounds_completed=outcome.round, wall_seconds=elapsed)
+        log(INFO, "round %d: accuracy %.4f, macro-F1 %.4f, %d B up, %d B down, %.1f s", outcome.round,
+            line["accuracy"] or 0.0, line["macro_f1"] or 0.0, up, down, outcome.seconds)
+
+    def _finish(self, status: str, *, error: str | None = None) -> None:
+        rounds = self.folder.rounds()
+        done = rounds[-1]["round"] if rounds else 0
+        final = rounds[-1] if rounds else {}
+        cluster_rounds = [c for line in rounds for c in line["clusters"].values()]
+        if rounds:
+            try:
+                plot_accuracy_vs_bytes(rounds, self.folder.path / PLOT,
+                                       initial_accuracy=(self.initial or {}).get("accuracy"))
+            except Exception as err:  # a plot must never turn a finished run into a failed one
+                log(INFO, "could not draw %s: %s", PLOT, err)
+        summary = self.folder.update_summary(
+            status=status,
+            error=error,
+            rounds_completed=done,
+            num_server_rounds=self.cfg.federation.num_server_rounds,
+            final_accuracy=final.get("accuracy"),
+            final_macro_f1=final.get("macro_f1"),
+            final_loss=final.get("loss"),
+            best_accuracy=max((r["accuracy"] for r in rounds if r.get("accuracy") is not None), default=None),
+            initial_evaluation=self.initial,
+            bytes_up_total=final.get("cumulative_bytes_up", 0),
+            bytes_down_total=final.get("cumulative_bytes_down", 0),
+            bytes_up_per_round_per_cluster=_mean(c["bytes_up"] for c in cluster_rounds),
+            bytes_down_per_round_per_cluster=_mean(c["bytes_down"] for c in cluster_rounds),
+            wall_seconds=self.wall_before + time.monotonic() - self.started,
+            federation_id=getattr(self, "federation_id", None),
+        )
+        log(INFO, "run %s: %s after %d round(s)", self.folder.path, summary["status"], done)
+
+
+def _mean(values) -> float | None:
+    values = list(values)
+    return float(np.mean(values)) if values else None

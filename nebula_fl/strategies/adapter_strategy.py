@@ -1,0 +1,165 @@
+"""The shared round logic for adapter federations; each outer optimizer is a subclass in its own file.
+
+A round: sample clusters, send each the global adapter and the round's config, take back each
+cluster's *update* (its adapter after local training minus the global one it received), refuse any
+update that does not match the global adapter, average the rest weighted by the clusters' example
+counts, and let the outer optimizer turn that mean into the next global adapter.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from typing import Any, ClassVar
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from nebula_fl.comm.validation import check_arrays
+from nebula_fl.strategies.aggregation import weighted_mean
+from nebula_fl.strategies.base import NebulaStrategy
+
+Arrays = dict[str, np.ndarray]
+
+ARRAYS_KEY = "arrays"  # server -> cluster: the global adapter
+CONFIG_KEY = "config"  # server -> cluster: the round's config
+UPDATE_KEY = "update"  # cluster -> server: adapter after local training minus the global adapter
+METRICS_KEY = "metrics"  # cluster -> server: num-examples, train-loss, steps, seconds, cluster-id
+WEIGHT_KEY = "num-examples"
+
+
+def to_numpy(record: ArrayRecord) -> Arrays:
+    return {key: array.numpy() for key, array in record.items()}
+
+
+def to_record(arrays: Arrays) -> ArrayRecord:
+    return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in arrays.items()})
+
+
+@dataclass
+class Contribution:
+    node_id: int
+    update: Arrays
+    weight: float
+    metrics: dict[str, Any]
+
+
+class AdapterStrategy(NebulaStrategy):
+    """Sampling, messaging, validation and weighted averaging; subclasses define the outer step."""
+
+    name: ClassVar[str]
+    default_lr: ClassVar[float]
+
+    def __init__(self, *, lr: float | None = None, clusters_per_round: int = 0, seed: int = 0) -> None:
+        super().__init__()
+        self.lr = self.default_lr if lr is None else float(lr)
+        if not self.lr > 0:
+            raise ValueError(f"outer learning rate must be > 0, got {self.lr}")
+        if clusters_per_round < 0:
+            raise ValueError(f"clusters_per_round must be >= 0 (0 = all), got {clusters_per_round}")
+        self.clusters_per_round = clusters_per_round
+        self.rng = np.random.default_rng(seed)
+        self.current: Arrays | None = None
+
+    # -- outer optimizer -------------------------------------------------------------------------
+    @abstractmethod
+    def outer_step(self, params: Arrays, delta: Arrays) -> Arrays:
+        """The next global adapter from the current one and the weighted-mean update."""
+
+    @abstractmethod
+    def outer_state(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def load_outer_state(self, state: dict[str, Any]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "lr": self.lr, "rng": self.rng.bit_generator.state, "outer": self.outer_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(f"checkpoint holds '{state.get('name')}' optimizer state, this run uses '{self.name}'")
+        self.rng.bit_generator.state = state["rng"]
+        self.load_outer_state(state["outer"])
+
+    # -- Flower's contract -----------------------------------------------------------------------
+    def summary(self) -> None:
+        log(INFO, "\t├──> %s outer optimizer, lr %s", self.name, self.lr)
+        log(INFO, "\t└──> clusters per round: %s", self.clusters_per_round or "all")
+
+    def sample(self, node_ids: list[int]) -> list[int]:
+        if not node_ids:
+            raise ValueError("no cluster is connected")
+        k = self.clusters_per_round or len(node_ids)
+        if k >= len(node_ids):
+            return sorted(node_ids)
+        return sorted(int(n) for n in self.rng.choice(sorted(node_ids), size=k, replace=False))
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        nodes = self.sample(list(grid.get_node_ids()))
+        self.current = to_numpy(arrays)
+        round_config = ConfigRecord(dict(config))
+        round_config["server-round"] = server_round
+        content = RecordDict({ARRAYS_KEY: arrays, CONFIG_KEY: round_config})
+        log(INFO, "configure_train: %d cluster(s) sampled", len(nodes))
+        return [Message(content=content, dst_node_id=n, message_type=MessageType.TRAIN) for n in nodes]
+
+    def parse_reply(self, reply: Message) -> Contribution:
+        """Turn a reply into a Contribution, or raise ValueError saying why it cannot be used."""
+        if reply.has_error():
+            raise ValueError(f"the cluster failed: {reply.error.reason}")
+        content = reply.content
+        if UPDATE_KEY not in content.array_records or METRICS_KEY not in content.metric_records:
+            raise ValueError(f"reply lacks the '{UPDATE_KEY}' arrays or the '{METRICS_KEY}' metrics")
+        metrics = dict(content.metric_records[METRICS_KEY])
+        weight = metrics.get(WEIGHT_KEY)
+        if not isinstance(weight, int | float) or not weight > 0 or not np.isfinite(weight):
+            raise ValueError(f"reply's '{WEIGHT_KEY}' is {weight!r}; it must be a positive number")
+        try:
+            update = to_numpy(content.array_records[UPDATE_KEY])
+        except (ValueError, TypeError, OSError) as err:
+            raise ValueError(f"update arrays cannot be decoded: {err}") from None
+        assert self.current is not None, "configure_train must run before aggregate_train"
+        check_arrays(expected={k: v.shape for k, v in self.current.items()}, arrays=update, what="update")
+        return Contribution(self.node_of(reply), update, float(weight), metrics)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        contributions = []
+        for reply in replies:
+            try:
+                contributions.append(self.parse_reply(reply))
+            except ValueError as err:
+                node = self.node_of(reply)
+                self.rejected[node] = str(err)
+                log(WARNING, "round %d: dropped the reply of node %d: %s", server_round, node, err)
+        if not contributions or self.current is None:
+            return None, None
+        weights = [c.weight for c in contributions]
+        mean = weighted_mean([c.update for c in contributions], weights)
+        self.current = self.outer_step(self.current, mean)
+        total = sum(weights)
+        losses = [(c.weight, c.metrics.get("train-loss")) for c in contributions]
+        metrics = {
+            WEIGHT_KEY: int(total),
+            "clusters": len(contributions),
+            "update-norm": float(np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in mean.values()))),
+        }
+        if all(isinstance(loss, int | float) for _, loss in losses):
+            metrics["train-loss"] = float(sum(w * loss for w, loss in losses) / total)
+        return to_record(self.current), MetricRecord(metrics)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Evaluation is server-side, on the held-out split: no message goes to the clusters."""
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None

@@ -1,0 +1,134 @@
+"""Shared fixtures: a tiny BERT built here (never the 22M model), and a way to run the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build_tiny_model(out: Path, *, hidden: int = 32, layers: int = 1, seed: int = 0) -> Path:
+    """A 1-layer BERT whose word embeddings are a random projection of MiniLM's.
+
+    The projection keeps most of the geometry of the pretrained embeddings (Johnson-Lindenstrauss),
+    so mean-pooled features separate topics from step 0 and a few LoRA/head steps learn something,
+    while the model stays ~1M parameters and loads in milliseconds.
+    """
+    import numpy as np
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from nebula_fl.model.locate import resolve_model_path
+
+    src = resolve_model_path("minilm")
+    with safe_open(str(src / "model.safetensors"), "np") as f:
+        words = f.get_tensor("embeddings.word_embeddings.weight")
+    rng = np.random.default_rng(seed)
+    projection = rng.standard_normal((words.shape[1], hidden)) / np.sqrt(hidden)
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=words.shape[0], hidden_size=hidden, num_hidden_layers=layers,
+                        num_attention_heads=2, intermediate_size=2 * hidden, max_position_embeddings=128)
+    model = BertModel(config)
+    with torch.no_grad():
+        model.embeddings.word_embeddings.weight.copy_(torch.from_numpy((words @ projection).astype(np.float32)))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(src)).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-bert") / "model")
+
+
+def nebula_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "nebula_fl", *args]
+
+
+class Tracked:
+    """A CLI run whose every descendant is recorded while it lives, to check none outlives it."""
+
+    def __init__(self, args: list[str], *, cwd: Path, log: Path) -> None:
+        self.log = log
+        self.handle = log.open("w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.popen = subprocess.Popen(nebula_cmd(*args), cwd=cwd, stdout=self.handle, stderr=subprocess.STDOUT, env=env)
+        self.seen: dict[int, tuple[float, str]] = {}
+
+    def poll_tree(self) -> None:
+        try:
+            root = psutil.Process(self.popen.pid)
+            for proc in root.children(recursive=True):
+                try:
+                    self.seen.setdefault(proc.pid, (proc.create_time(), " ".join(proc.cmdline())[:160]))
+                except psutil.Error:
+                    pass
+        except psutil.NoSuchProcess:
+            pass
+
+    def wait(self, timeout: float, until=None) -> int:
+        deadline = time.monotonic() + timeout
+        while self.popen.poll() is None:
+            self.poll_tree()
+            if until is not None and until():
+                return -1
+            if time.monotonic() > deadline:
+                self.popen.kill()
+                raise AssertionError(f"CLI did not finish in {timeout} s; log:\n{self.output()[-3000:]}")
+            time.sleep(0.25)
+        self.handle.close()
+        return self.popen.returncode
+
+    def output(self) -> str:
+        if not self.handle.closed:
+            self.handle.flush()
+        return self.log.read_text(errors="replace")
+
+    def survivors(self, settle: float = 3.0) -> list[str]:
+        """Descendants still running (not zombies) after the CLI exited."""
+        deadline = time.monotonic() + settle
+        while True:
+            alive = []
+            for pid, (created, cmd) in self.seen.items():
+                try:
+                    proc = psutil.Process(pid)
+                    if abs(proc.create_time() - created) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
+                        alive.append(f"{pid}: {cmd}")
+                except psutil.NoSuchProcess:
+                    pass
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def run_cli(tmp_path):
+    runs: list[Tracked] = []
+
+    def _run(*args: str, name: str = "cli") -> Tracked:
+        tracked = Tracked(list(args), cwd=tmp_path, log=tmp_path / f"{name}-{len(runs)}.log")
+        runs.append(tracked)
+        return tracked
+
+    yield _run
+    for tracked in runs:
+        if tracked.popen.poll() is None:
+            tracked.popen.kill()
+
+
+@pytest.fixture(autouse=True)
+def flower_task_identity():
+    """Flower 1.42 stamps every new Message with the process's task identity; a test process has none."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
+    yield

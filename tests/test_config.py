@@ -1,0 +1,66 @@
+import tomllib
+from dataclasses import FrozenInstanceError
+
+import pytest
+
+from nebula_fl.config import PRESETS, RunConfig, default_run_config
+from nebula_fl.errors import ConfigError
+from tests.conftest import REPO
+
+
+def test_pyproject_mirrors_the_config_dataclasses_key_for_key():
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    app_config = pyproject["tool"]["flwr"]["app"]["config"]
+    assert app_config == default_run_config()
+
+
+def test_flat_round_trip_is_identity():
+    cfg = RunConfig().replace({"local-steps": 7, "outer-lr": 0.3, "partition": "iid"})
+    assert RunConfig.from_flat(cfg.to_flat()) == cfg
+    assert cfg.train.local_steps == 7 and cfg.outer.outer_lr == 0.3 and cfg.data.partition == "iid"
+
+
+def test_auto_maps_to_none_and_back():
+    cfg = RunConfig.from_flat({"outer-lr": "auto"})
+    assert cfg.outer.outer_lr is None
+    assert cfg.to_flat()["outer-lr"] == "auto"
+
+
+def test_unknown_key_names_the_closest_known_one():
+    with pytest.raises(ConfigError, match="unknown config key 'local-step'; did you mean 'local-steps'"):
+        RunConfig.from_flat({"local-step": 3})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("local-steps", 2.5, "must be int"),
+        ("local-steps", 0, "use 1 or more"),
+        ("lr", "fast", "must be float"),
+        ("resume", 1, "must be bool"),
+        ("partition", "dirichlet:-1", "alpha must be > 0"),
+        ("partition", "shards", "use 'iid' or 'dirichlet:ALPHA'"),
+        ("outer-optimizer", "sgd", "use one of fedavg"),
+        ("outer-momentum", 1.5, r"\[0, 1\)"),
+        ("test-fraction", 1.0, "strictly between 0 and 1"),
+    ],
+)
+def test_bad_values_are_rejected_with_the_key_named(key, value, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        RunConfig.from_flat({key: value})
+    assert key in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_ints_are_accepted_for_floats():
+    assert RunConfig.from_flat({"lr": 1}).train.lr == 1.0
+
+
+def test_presets_are_valid_configs():
+    for overrides in PRESETS.values():
+        RunConfig().replace(overrides)
+
+
+def test_sections_are_frozen():
+    with pytest.raises(FrozenInstanceError):
+        RunConfig().train.lr = 1.0  # type: ignore[misc]
