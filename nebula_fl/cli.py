@@ -28,6 +28,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="seed of split, partition, init and training")
     p.add_argument("--out", help="run folder (default: runs/<preset>-<time>)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last complete round")
+    p.add_argument("--codec", help="codec chain both ways, e.g. topk:0.05+int8 (sets comm.codec)")
+    p.add_argument("--wan", help="emulate the WAN per cluster, e.g. 20mbit:100ms or 20mbit:100ms,2mbit:300ms")
     p.add_argument("--run-config", help="any app config keys, as for flwr run: 'k=v k2=\"text\" ...'")
     p.add_argument("--port", type=int, default=8000, help="SuperLink port on 127.0.0.1 (0 picks a free one)")
 
@@ -54,6 +56,24 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
     data.add_argument("--seed", type=int, default=0, help="the federation's seed (as on the server)")
     data.add_argument("--test-fraction", type=float, default=0.2, help="held out for the server (as on the server)")
     data.add_argument("--max-examples", type=int, default=0, help="dataset cap (as on the server)")
+
+
+def _add_privacy_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "privacy-report",
+        help="the privacy spent by each cluster of a run: a table, privacy.json and privacy.png",
+        description="Report the (epsilon, delta) each cluster spent, round by round, as the run recorded it; "
+        "writes privacy.json and privacy.png into the run folder. Exit 1 if a final epsilon is over its budget.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by nebula-fl")
+
+
+def _privacy_report(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from nebula_fl.privacy.report import privacy_report_main
+
+    return privacy_report_main(args.run_dir, Console(highlight=False))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -99,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
     _add_trainer(sub)
+    _add_privacy_report(sub)
     args = parser.parse_args(argv)
     try:
-        return {"run": _run, "trainer": _trainer}[args.command](args)
+        return {"run": _run, "trainer": _trainer, "privacy-report": _privacy_report}[args.command](args)
     except NebulaError as err:
         print(f"nebula-fl: error: {err}", file=sys.stderr)
         return 2

@@ -251,6 +251,98 @@ class OuterConfig(Section):
 
 
 @dataclass(kw_only=True, frozen=True)
+class CommConfig(Section):
+    """What crosses the WAN: the codec chain each way, and how it adapts to each cluster's link."""
+
+    PREFIX: ClassVar[str] = "comm"
+
+    codec: str = "none"
+    """Codec chain for the uplink update and the downlink change, e.g. 'topk:0.05+int8'; 'none' = packed float32."""
+    codec_down: str = "same"
+    """Codec chain for the downlink change of the global adapter; 'same' = `comm.codec`."""
+    adaptive: bool = False
+    """Choose each cluster's uplink ratio/bits/rank every round so its upload fits `comm.target-seconds`."""
+    target_seconds: float = 1.0
+    """Upload time budget per cluster per round for adaptive compression."""
+    param_min: float = 0.001
+    """Smallest ratio (top-k, random-k), rank (low-rank) or bits (quantizers) adaptive compression may pick."""
+    param_max: float = 0.25
+    """Largest ratio, rank or bits adaptive compression may pick."""
+    link_profiles: str = ""
+    """Known links per cluster, e.g. '20mbit:100ms' or '20mbit:100ms,2mbit:300ms'; empty = measure them."""
+    wan_control: str = ""
+    """Set by the launcher: the emulated-WAN proxies' control sockets, one per cluster, for proxy-counted bytes."""
+
+    def __post_init__(self) -> None:
+        from nebula_fl.compression import CodecError, parse_spec
+
+        for key, spec in (("comm.codec", self.codec), ("comm.codec-down", self.codec_down)):
+            if spec in ("none", "same"):
+                continue
+            try:
+                parse_spec(spec)
+            except CodecError as err:
+                raise ConfigError(f"config key '{key}' {err}") from None
+        _require(self.target_seconds > 0, "comm.target-seconds", f"is {self.target_seconds}", "use seconds > 0")
+        _require(0 < self.param_min <= self.param_max, "comm.param-min",
+                 f"is {self.param_min} with comm.param-max {self.param_max}", "use 0 < min <= max")
+        if self.link_profiles:
+            from nebula_fl.wan.profile import parse_profile
+
+            for text in self.link_profiles.split(","):
+                try:
+                    parse_profile(text.strip())
+                except ValueError as err:
+                    raise ConfigError(f"config key 'comm.link-profiles': {err}") from None
+
+    def down_spec(self) -> str:
+        return self.codec if self.codec_down == "same" else self.codec_down
+
+
+PRIVACY_MODES = ("off", "sample", "client")
+
+
+@dataclass(kw_only=True, frozen=True)
+class PrivacyConfig(Section):
+    """Differential privacy of what leaves each cluster, accounted over the whole run."""
+
+    PREFIX: ClassVar[str] = "privacy"
+
+    mode: str = "off"
+    """'off'; 'sample': DP-SGD (Opacus) inside each cluster, per example; 'client': each cluster clips its
+    update to `privacy.max-grad-norm` and adds Gaussian noise, accounted on the server per round."""
+    noise_multiplier: float | None = None
+    """sigma; "auto" derives it from `privacy.target-epsilon` for the run's planned steps."""
+    target_epsilon: float | None = None
+    """The epsilon the whole run should end at (used when the noise multiplier is "auto")."""
+    max_grad_norm: float = 1.0
+    """Clipping norm: per example ('sample') or per cluster update ('client')."""
+    delta: float | None = None
+    """delta; "auto" = 1 / (10 n), n = the cluster's examples ('sample') or the clusters ('client')."""
+    accountant: str = "prv"
+    """'prv' (tighter) or 'rdp'."""
+    max_epsilon: float | None = None
+    """Budget: a cluster ('sample') or the federation ('client') refuses a round that would pass it."""
+
+    def __post_init__(self) -> None:
+        _require(self.mode in PRIVACY_MODES, "privacy.mode", f"is '{self.mode}'", f"use one of {', '.join(PRIVACY_MODES)}")
+        _require(self.accountant in ("prv", "rdp"), "privacy.accountant", f"is '{self.accountant}'", "use prv or rdp")
+        _require(self.max_grad_norm > 0, "privacy.max-grad-norm", f"is {self.max_grad_norm}", "use a norm > 0")
+        if self.noise_multiplier is not None:
+            _require(self.noise_multiplier >= 0, "privacy.noise-multiplier", f"is {self.noise_multiplier}", "use >= 0")
+        if self.target_epsilon is not None:
+            _require(self.target_epsilon > 0, "privacy.target-epsilon", f"is {self.target_epsilon}", "use > 0")
+        if self.delta is not None:
+            _require(0 < self.delta < 1, "privacy.delta", f"is {self.delta}", "use a value in (0, 1) or \"auto\"")
+        if self.max_epsilon is not None:
+            _require(self.max_epsilon > 0, "privacy.max-epsilon", f"is {self.max_epsilon}", "use > 0 or \"auto\"")
+        if self.mode != "off":
+            _require((self.noise_multiplier is None) != (self.target_epsilon is None), "privacy.noise-multiplier",
+                     "and privacy.target-epsilon are both set or both auto",
+                     "set exactly one of them (the other stays \"auto\")")
+
+
+@dataclass(kw_only=True, frozen=True)
 class RunConfig:
     """Everything a run needs, as one object; ``to_flat`` is exactly the Flower run config."""
 
@@ -259,6 +351,8 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     @classmethod
     def sections(cls) -> dict[str, type[Section]]:

@@ -2,6 +2,7 @@ import tomllib
 from dataclasses import FrozenInstanceError
 
 import pytest
+from flwr.common.config import flatten_dict
 
 from nebula_fl.config import PRESETS, RunConfig, default_run_config
 from nebula_fl.errors import ConfigError
@@ -10,7 +11,7 @@ from tests.conftest import REPO
 
 def test_pyproject_mirrors_the_config_dataclasses_key_for_key():
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    app_config = pyproject["tool"]["flwr"]["app"]["config"]
+    app_config = flatten_dict(pyproject["tool"]["flwr"]["app"]["config"])  # as Flower flattens comm.codec & co
     assert app_config == default_run_config()
 
 

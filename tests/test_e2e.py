@@ -3,11 +3,17 @@ with 2 DDP workers) and flwr run, on a tiny model built here; then the same inte
 
 import json
 import signal
+import subprocess
 import time
+import tomllib
 
 import numpy as np
 import pytest
+from flwr.common.config import flatten_dict
 from safetensors.numpy import load_file
+
+from nebula_fl.wan.service import query_proxy
+from tests.conftest import nebula_cmd
 
 # The tiny model needs a livelier learning rate than MiniLM to learn something in 2 rounds.
 TINY = "eval-initial=true lr=0.05 local-steps=8 batch-size=16"
@@ -112,3 +118,72 @@ def test_resuming_a_completed_run_says_how_to_extend_it(tiny_model, run_cli, tmp
     assert cli.wait(60) == 2
     assert "already completed 2 of 2 rounds" in cli.output() and "--rounds" in cli.output()
     assert time.monotonic() - started < 60
+
+
+# Per HTTP request, what the WAN carries beyond the payload: Flower's request headers (a key, a
+# signature, a timestamp, versions: ~850 B measured) and the small poll bodies up; headers down.
+HEADER_BYTES_UP, HEADER_BYTES_DOWN = 1200, 400
+
+
+def test_compressed_over_an_emulated_wan_proxy_counts_agree_with_payloads(tiny_model, run_cli, tmp_path):
+    out = tmp_path / "run"
+    cli = run_cli(*smoke_args(tiny_model, out, "--codec", "topk:0.1+int8", "--wan", "100mbit:20ms"), name="wan")
+    # Drop cluster 0's link once, mid-run: Flower reconnects and the run goes on.
+    assert cli.wait(300, until=lambda: len(rounds_of(out)) >= 1) == -1, cli.output()[-3000:]
+    app = tomllib.loads((out / "app" / "pyproject.toml").read_text())
+    control = flatten_dict(app["tool"]["flwr"]["app"]["config"])["comm.wan-control"].split(",")[0]
+    query_proxy(control, "drop")
+    assert query_proxy(control, "stats")["drops"] == 1
+    assert cli.wait(300) == 0, cli.output()[-4000:]
+    assert rounds_of(out) == [1, 2]
+    assert cli.survivors() == []
+    assert "python -m nebula_fl.wan" in " ".join(cmd for _, cmd in cli.seen.values())
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    adapter = load_file(str(out / "adapter.safetensors"))
+    raw = sum(v.nbytes for v in adapter.values())
+    for line in lines:
+        for cluster in line["clusters"].values():
+            # the update is ~10% of the entries at ~5 bytes each (int8 value + coded index), in one blob
+            assert cluster["bytes_up"] < 0.15 * raw + 2500
+            for way, per_request in (("up", HEADER_BYTES_UP), ("down", HEADER_BYTES_DOWN)):
+                payload, wire = cluster[f"bytes_{way}"], cluster[f"wan_bytes_{way}"]
+                assert payload <= wire <= payload + per_request * cluster["wan_requests"], (way, cluster)
+            assert cluster["wan_push_objects"] >= 1 and cluster["wan_pull_objects"] >= 1
+    # Round 1 sends no adapter (every cluster rebuilds the seeded initial one); round 2 the compressed change.
+    first, second = lines[0]["clusters"]["0"]["bytes_down"], lines[1]["clusters"]["0"]["bytes_down"]
+    assert first < 2500 < raw and first < second < 0.15 * raw + 2500
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["wan_bytes_total"] == lines[-1]["cumulative_wan_bytes"] > summary["bytes_up_total"]
+
+
+def test_privacy_budgets_stop_each_cluster_and_the_run_ends_cleanly(tiny_model, run_cli, tmp_path):
+    out = tmp_path / "run"
+    # RDP at sigma 1, 8 steps a round: cluster 0 (144 examples, q 1/9) reaches 3.49, 4.28, 4.90; cluster 1
+    # (96 examples, q 1/6) 4.66, 5.92. A budget of 4.8 lets cluster 1 train once and cluster 0 twice.
+    dp = ('privacy.mode="sample" privacy.noise-multiplier=1.0 privacy.delta=1e-5 privacy.accountant="rdp" '
+          "privacy.max-epsilon=4.8")
+    cli = run_cli("run", "--preset", "smoke", "--clusters", "2", "--port", "0", "--out", str(out), "--rounds", "5",
+                  "--run-config", f'model="{tiny_model}" {TINY} {dp}', name="dp")
+    assert cli.wait(300) == 0, cli.output()[-4000:]
+    assert cli.survivors() == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and "privacy budget" in summary["stopped_early"]
+    stopped = summary["privacy"]["clusters"]
+    assert (stopped["0"]["stopped_round"], stopped["1"]["stopped_round"]) == (3, 2)
+    assert "would be exceeded" in stopped["1"]["reason"]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in lines] == [1, 2, 3]
+    eps = [[x["clusters"].get(c, {}).get("epsilon") for c in ("0", "1")] for x in lines]
+    assert "1" not in lines[2]["clusters"]  # an exhausted cluster is no longer sampled
+    assert eps[0] == [pytest.approx(3.493, abs=2e-3), pytest.approx(4.659, abs=2e-3)]
+    assert eps[1][0] == pytest.approx(4.278, abs=2e-3) and eps[1][1] == pytest.approx(4.659, abs=2e-3)
+    assert max(e for row in eps for e in row if e is not None) <= 4.8  # nobody went past the budget
+    assert lines[1]["clusters_aggregated"] == 1 and lines[2]["clusters_aggregated"] == 0
+
+    report = subprocess.run(nebula_cmd("privacy-report", str(out)), capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert "4.8" in report.stdout
+    privacy = json.loads((out / "privacy.json").read_text())
+    assert set(privacy["clusters"]) == {"0", "1"}
+    assert (out / "privacy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -92,3 +92,95 @@ def test_ddp_ranks_stay_in_sync_and_snapshots_restore_exactly(tmp_path, tiny_mod
 def test_the_clientapp_does_not_import_torch():
     code = "import sys, nebula_fl.clients.app; sys.exit(int('torch' in sys.modules or 'transformers' in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_compressed_exchange_keeps_views_and_error_feedback_across_a_restart(tmp_path, tiny_model, round_config):
+    from nebula_fl.comm.views import view_crc
+    from nebula_fl.compression import Compressor, Layout
+
+    cfg, make = round_config
+    start = adapter_arrays(build_model(cfg.model, num_labels=5, seed=0))
+    layout = Layout.from_arrays({k: start[k] for k in sorted(start)})
+    flat = layout.flatten(start)
+    seed = 11
+
+    def full(rnd):
+        blob = Compressor("none", layout=layout).encode(flat, seed=seed)
+        extra = {"sync": "full", "codec-seed": seed, "codec-up": "topk:0.1+int8", "view-crc-after": view_crc(flat)}
+        return make(rnd, **extra), {"blob": np.frombuffer(blob, np.uint8).copy()}
+
+    def delta(rnd, base, base_round, target):
+        blob = Compressor("topk:0.5", layout=layout).encode(target - base, seed=seed)
+        after = base + Compressor.decode(blob, layout=layout, seed=seed)
+        extra = {"sync": "delta", "codec-seed": seed, "codec-up": "topk:0.1+int8", "view-round": base_round,
+                 "view-crc": view_crc(base), "view-crc-after": view_crc(after)}
+        return make(rnd, **extra), {"blob": np.frombuffer(blob, np.uint8).copy()}, after
+
+    proc, sock, _ = start_trainer(tmp_path, tiny_model, "c")
+    try:
+        # first contact may be a change from the seeded initial adapter, which the cluster rebuilds itself
+        request(sock, {"op": "train", "config": delta(1, flat, 0, flat)[0] | {"federation-id": "other"}},
+                delta(1, flat, 0, flat)[1])
+        reply, out = request(sock, {"op": "train", "config": full(1)[0]}, full(1)[1])
+        assert set(out) == {"blob"} and reply["metrics"]["codec-up"] == "topk:0.1+int8"
+        update = Compressor.decode(out["blob"].tobytes(), layout=layout, seed=seed)
+        assert np.isfinite(update).all() and 0 < np.count_nonzero(update) <= int(np.ceil(0.1 * layout.size))
+        target = flat + 0.01
+        config2, payload2, view2 = delta(2, flat, 1, target)
+        request(sock, {"op": "train", "config": config2}, payload2)
+        config3, payload3, _ = delta(3, view2, 2, target + 0.01)
+        wrong = dict(config3, **{"view-round": 1})
+        with pytest.raises(NebulaError, match="resync needed"):
+            request(sock, {"op": "train", "config": wrong}, payload3)
+        _, first = request(sock, {"op": "train", "config": config3}, payload3)
+    finally:
+        stop(proc)
+    proc, sock, _ = start_trainer(tmp_path, tiny_model, "d")
+    try:
+        _, again = request(sock, {"op": "train", "config": config3}, payload3)
+    finally:
+        stop(proc)
+    # the restarted cluster restored its view and its error-feedback residual: the same bytes go up
+    assert again["blob"].tobytes() == first["blob"].tobytes()
+
+
+def test_sample_level_dp_accounts_across_rounds_restarts_and_enforces_the_budget(tmp_path, tiny_model, round_config):
+    cfg, make = round_config
+    start = adapter_arrays(build_model(cfg.model, num_labels=5, seed=0))
+    dp = {"privacy.mode": "sample", "privacy.noise-multiplier": 1.0, "privacy.max-grad-norm": 1.0,
+          "privacy.accountant": "rdp", "privacy.delta": 1e-5, "privacy.target-epsilon": "auto",
+          "privacy.max-epsilon": "auto", "num-server-rounds": 3}
+    proc, sock, _ = start_trainer(tmp_path, tiny_model, "dp")
+    try:
+        r1, u1 = request(sock, {"op": "train", "config": make(1, **dp)}, start)
+        r2, _ = request(sock, {"op": "train", "config": make(2, **dp)}, start)
+    finally:
+        stop(proc)
+    m1, m2 = r1["metrics"], r2["metrics"]
+    assert m1["dp-steps"] == 4 and m2["dp-steps"] == 8  # cumulative over the run, not per round
+    assert 0 < m1["epsilon"] < m2["epsilon"]
+    assert m1["noise-multiplier"] == 1.0 and 0 < m1["sample-rate"] < 1 and m1["delta"] == 1e-5
+    assert m1["rank-divergence"] == 0.0  # DPDDP kept the two ranks identical
+    assert all(np.isfinite(v).all() for v in u1.values()) and sum(float(np.abs(v).sum()) for v in u1.values()) > 0
+    # a restarted cluster resumes its ledger: round 2 again gives the same epsilon as before
+    proc, sock, _ = start_trainer(tmp_path, tiny_model, "dp2")
+    try:
+        again, _ = request(sock, {"op": "train", "config": make(2, **dp)}, start)
+        assert again["metrics"]["epsilon"] == pytest.approx(m2["epsilon"], rel=1e-9)
+        # with a budget between two and three rounds' worth, round 3 is refused, and it says why
+        budget = dict(dp, **{"privacy.max-epsilon": (m2["epsilon"] * 1.05)})
+        refused, update = request(sock, {"op": "train", "config": make(3, **budget)}, start)
+        # client-level DP: the update that leaves is clipped to C and carries N(0, (sigma C)^2) per entry
+        client = dict(dp, **{"privacy.mode": "client", "privacy.max-grad-norm": 0.1, "privacy-sigma": 0.5,
+                             "privacy-noise-shares": 1, "federation-id": "fedc"})
+        noised, sent = request(sock, {"op": "train", "config": make(1, **client)}, start)
+    finally:
+        stop(proc)
+    m = noised["metrics"]
+    assert m["noise-std"] == pytest.approx(0.05) and m["clipped"] == 1 and m["update-norm-before-clip"] > 0.1
+    n = sum(v.size for v in sent.values())
+    energy = sum(float((v.astype(np.float64) ** 2).sum()) for v in sent.values())
+    assert energy == pytest.approx(0.1**2 + 0.05**2 * n, rel=0.1)
+    assert refused["metrics"]["privacy-refused"] == 1 and update == {}
+    assert "would be exceeded" in refused["metrics"]["privacy-reason"]
+    assert refused["metrics"]["epsilon"] == pytest.approx(m2["epsilon"], rel=1e-9)  # nothing was spent

@@ -12,9 +12,12 @@ round the server re-sends, restarts from the last snapshot before that round.
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 import re
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +29,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr, train_steps
-from nebula_fl.config import ModelConfig, TrainConfig
+from nebula_fl.comm.views import view_crc
+from nebula_fl.compression import CodecError, Compressor, Layout
+from nebula_fl.config import ModelConfig, PrivacyConfig, TrainConfig
 from nebula_fl.data.datasets import TextDataset
 from nebula_fl.errors import NebulaError
 from nebula_fl.model.adapter import adapter_arrays, load_adapter_arrays
@@ -74,8 +79,11 @@ class ClusterTrainer:
     def setup(self, config: dict[str, Any]) -> None:
         """Build model, tokenised shard and fresh inner state for a federation; no-op if unchanged."""
         model_cfg = ModelConfig.from_flat(config)
+        train_cfg = TrainConfig.from_flat(config)
+        privacy = PrivacyConfig.from_flat(config)
         labels = list(config["labels"])
-        key = json.dumps([config["federation-id"], model_cfg.to_flat(), labels, config["seed"]], sort_keys=True)
+        key = json.dumps([config["federation-id"], model_cfg.to_flat(), labels, config["seed"], privacy.to_flat(),
+                          train_cfg.batch_size, config.get("num-server-rounds"), train_cfg.local_steps], sort_keys=True)
         if key == self.setup_key:
             return
         names = self.ctx.shard.label_names
@@ -95,11 +103,19 @@ class ClusterTrainer:
         self.seed = int(config["seed"])
         model = build_model(model_cfg, num_labels=len(labels), seed=self.seed, path=self.ctx.model_path)
         self.peft = model.to(self.ctx.device)
-        self.model = (
-            DistributedDataParallel(self.peft, device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None)
-            if self.ctx.world > 1
-            else self.peft
-        )
+        self.privacy = privacy
+        initial = adapter_arrays(self.peft)
+        if privacy.mode == "sample":
+            self._setup_private(config, model_cfg, train_cfg)
+        else:
+            self.model = (
+                DistributedDataParallel(self.peft, device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None)
+                if self.ctx.world > 1
+                else self.peft
+            )
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
+        self.initial_optimizer_state = copy.deepcopy(self.optimizer.state_dict())
         order = np.random.default_rng([self.seed, self.ctx.cluster_id]).permutation(len(self.labels))
         mine = np.sort(order[self.ctx.rank :: self.ctx.world])
         if len(mine) == 0:
@@ -110,16 +126,75 @@ class ClusterTrainer:
         self.data = TokenizedTexts(
             self.tokenizer, [self.ctx.shard.texts[i] for i in mine], self.labels[mine], max_len=model_cfg.max_seq_len
         )
+        self.layout = Layout.from_arrays({k: initial[k] for k in sorted(initial)})
+        # the seeded initial adapter, the base of the first change the server sends (view round 0)
+        self.initial_flat = self.layout.flatten(initial)
         self.setup_key = key
         self.round = None
-        self.optimizer = None
+        self.state_valid = False
+
+    def _setup_private(self, config: dict[str, Any], model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
+        """DP-SGD over the cluster's whole shard: Opacus shards it across the ranks and Poisson-samples it."""
+        from nebula_fl.privacy.budget import default_delta, noise_for_target
+        from nebula_fl.privacy.sample_dp import Batches, make_private
+
+        privacy = self.privacy
+        self.dp_data = TokenizedTexts(self.tokenizer, self.ctx.shard.texts, self.labels, max_len=model_cfg.max_seq_len)
+        n = len(self.dp_data)
+        logical_batch = train_cfg.batch_size * self.ctx.world
+        sample_rate = 1.0 / math.ceil(n / logical_batch)
+        self.dp_delta = privacy.delta if privacy.delta is not None else default_delta(n)
+        planned = int(config.get("num-server-rounds", 1)) * train_cfg.local_steps
+        if privacy.noise_multiplier is not None:
+            self.dp_sigma = privacy.noise_multiplier
+        else:
+            self.dp_sigma = noise_for_target(target_epsilon=privacy.target_epsilon, delta=self.dp_delta,
+                                             sample_rate=sample_rate, steps=planned, accountant=privacy.accountant)
+        params = [p for p in self.peft.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
+        self.private = make_private(model=self.peft, optimizer=optimizer, data=self.dp_data, batch_size=logical_batch,
+                                    noise_multiplier=self.dp_sigma, max_grad_norm=privacy.max_grad_norm,
+                                    distributed=self.ctx.world > 1)
+        self.dp_sample_rate = self.private.sample_rate
+        self.model, self.optimizer = self.private.module, self.private.optimizer
+        self.batches = Batches(self.private.loader)
+
+    def _local_seed(self) -> int:
+        """A seed the server cannot know: DP noise drawn from a seed the server sent could be subtracted.
+
+        Kept in the cluster's state folder (mode 0600), so a restarted cluster continues its streams.
+        Not a CSPRNG stream (Opacus's secure_mode needs torchcsprng); unpredictable to the server.
+        Called first by every rank together (from _fresh_state), then cached.
+        """
+        if getattr(self, "_secret", None) is None:
+            path = self.ctx.state_dir / "local-secret"
+            if self.ctx.rank == 0 and not path.exists():
+                self.ctx.state_dir.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as handle:
+                    handle.write(str(secrets.randbits(62)))
+            dist.barrier(group=self.ctx.control)
+            self._secret = int(path.read_text())
+        return self._secret
 
     def _fresh_state(self, train_cfg: TrainConfig) -> None:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
+        self.optimizer.load_state_dict(copy.deepcopy(self.initial_optimizer_state))
         self.schedule = BatchSchedule(len(self.data), batch_size=train_cfg.batch_size, seed=self.seed, rank=self.ctx.rank)
-        torch.manual_seed(self.seed * 1_000_003 + self.ctx.cluster_id * 1_009 + self.ctx.rank)
+        if self.privacy.mode == "off":
+            torch.manual_seed(self.seed * 1_000_003 + self.ctx.cluster_id * 1_009 + self.ctx.rank)
+        else:
+            torch.manual_seed((self._local_seed() + 1_009 * self.ctx.rank) % 2**62)
+        self.ledger = None
+        if self.privacy.mode == "sample":
+            from nebula_fl.privacy.ledger import PrivacyLedger
+
+            self.ledger = PrivacyLedger(accountant=self.privacy.accountant, delta=self.dp_delta)
+            self.batches.reset()
+        self.state_valid = True
         self.round = 0
+        self.view: np.ndarray | None = None  # the global adapter as this cluster has it (compressed downlink)
+        self.view_round = -1
+        self.up: Compressor | None = None  # uplink codec chain, with this cluster's error-feedback residual
 
     # -- snapshots ---------------------------------------------------------------------------------
     def _snapshot_dir(self) -> Path:
@@ -132,21 +207,35 @@ class ClusterTrainer:
         return sorted(int(p.stem.split("-")[1]) for p in folder.glob("round-*.pt"))
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's full inner state (optimizer, batch stream, RNG)."""
-        assert self.optimizer is not None and self.round is not None
+        """This rank's full inner state (optimizer, batch stream, RNG, view, codec residual, privacy ledger)."""
+        assert self.round is not None
         return {
             "round": self.round,
             "optimizer": self.optimizer.state_dict(),
             "schedule": self.schedule.state_dict(),
             "rng": torch.get_rng_state(),
+            "view": None if self.view is None else torch.from_numpy(self.view.copy()),
+            "view_round": self.view_round,
+            "up_spec": None if self.up is None else self.up.describe()["spec"],
+            "up_state": None if self.up is None else _to_torch(self.up.state_dict()),
+            "ledger": None if self.ledger is None else json.dumps(self.ledger.state_dict()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        assert self.optimizer is not None
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         torch.set_rng_state(state["rng"])
         self.round = int(state["round"])
+        self.view = None if state.get("view") is None else state["view"].numpy().copy()
+        self.view_round = int(state.get("view_round", -1))
+        if state.get("ledger"):
+            from nebula_fl.privacy.ledger import PrivacyLedger
+
+            self.ledger = PrivacyLedger.from_state(json.loads(state["ledger"]))
+        self.up = None
+        if state.get("up_spec"):
+            self.up = Compressor(state["up_spec"], layout=self.layout)
+            self.up.load_state_dict(_to_numpy(state["up_state"]))
 
     def _save_snapshot(self) -> None:
         states: list[Any] = [None] * self.ctx.world
@@ -169,7 +258,7 @@ class ClusterTrainer:
         server sends again after a resume) the newest snapshot before `server_round` is, or the initial
         state if there is none.
         """
-        if self.optimizer is not None and self.round is not None and self.round < server_round:
+        if self.state_valid and self.round is not None and self.round < server_round:
             return
         self._fresh_state(train_cfg)
         earlier = [r for r in self._snapshot_rounds() if r < server_round]
@@ -183,7 +272,55 @@ class ClusterTrainer:
             self.load_state_dict(saved["ranks"][self.ctx.rank])
 
     # -- one round ---------------------------------------------------------------------------------
-    def train_round(self, config: dict[str, Any], global_arrays: Arrays) -> tuple[Arrays, dict[str, Any]]:
+    def _receive(self, config: dict[str, Any], payload: Arrays) -> tuple[Arrays, np.ndarray | None]:
+        """The global adapter this round starts from: plain arrays, or a full copy / a change as one blob."""
+        sync = config.get("sync")
+        if sync is None:
+            return payload, None
+        blob = np.asarray(payload.get("blob", np.zeros(0, np.uint8)))
+        if blob.dtype != np.uint8 or blob.ndim != 1:
+            raise RequestError(f"the downlink blob must be 1-D uint8, got {blob.dtype} {blob.shape}")
+        seed = int(config["codec-seed"])
+        try:
+            if sync == "delta" and blob.size == 0:  # no change since the base
+                decoded = np.zeros(self.layout.size, np.float32)
+            else:
+                decoded = Compressor.decode(blob.tobytes(), layout=self.layout, seed=seed)
+        except CodecError as err:
+            raise RequestError(f"cannot decode the downlink: {err}") from None
+        if sync == "full":
+            view = decoded
+        elif sync == "delta":
+            base_round = int(config["view-round"])
+            base = self.initial_flat if base_round == 0 else self.view
+            if base is None or (base_round != 0 and self.view_round != base_round) or view_crc(base) != int(config["view-crc"]):
+                raise RequestError(
+                    f"resync needed: cluster {self.ctx.cluster_id} holds the view of round {self.view_round}, "
+                    f"the server sent a change from round {base_round}"
+                )
+            view = (base + decoded).astype(np.float32)
+        else:
+            raise RequestError(f"unknown sync mode {sync!r}")
+        if view_crc(view) != int(config["view-crc-after"]):
+            raise RequestError("resync needed: the decoded global adapter differs from the server's")
+        return self.layout.unflatten(view), view
+
+    def _encode_up(self, update: Arrays, config: dict[str, Any]) -> Arrays:
+        spec = str(config["codec-up"])
+        if self.up is None or self.up.describe()["spec"] != spec:
+            try:
+                self.up = _retune(self.up, spec, self.layout)
+            except CodecError as err:
+                raise RequestError(f"cannot use uplink codec '{spec}': {err}") from None
+        seed = int(config["codec-seed"])
+        if "randk" not in spec:
+            # random-k must share the round's seed across clusters (the same indices everywhere); every
+            # other codec draws its rounding noise per cluster, so the noise averages out on the server
+            seed = (seed + 7_919 * (self.ctx.cluster_id + 1)) % (2**31 - 1)
+        blob = self.up.encode(self.layout.flatten(update), seed=seed)
+        return {"blob": np.frombuffer(blob, dtype=np.uint8).copy()}
+
+    def train_round(self, config: dict[str, Any], payload: Arrays) -> tuple[Arrays, dict[str, Any]]:
         """Train `local-steps` from the global adapter; return (update, metrics). Same call on every rank."""
         server_round = int(config["server-round"])
         error = None
@@ -193,6 +330,7 @@ class ClusterTrainer:
             self._restore_before(server_round, train_cfg)
             for group in self.optimizer.param_groups:
                 group["lr"], group["weight_decay"] = train_cfg.lr, train_cfg.weight_decay
+            global_arrays, view = self._receive(config, payload)
             load_adapter_arrays(self.peft, global_arrays)
         except (NebulaError, ValueError, KeyError) as err:
             error = str(err) or type(err).__name__
@@ -206,22 +344,49 @@ class ClusterTrainer:
             return scheduled_lr(train_cfg.lr, progress=(done_before + i) / total_steps,
                                 schedule=train_cfg.lr_schedule, min_ratio=train_cfg.lr_min_ratio)
 
+        if self.privacy.mode == "sample" and (refusal := self._budget_refusal(train_cfg)) is not None:
+            return {}, refusal
         started = time.monotonic()
-        losses = train_steps(
-            self.model, self.optimizer, self.data, self.schedule,
-            steps=train_cfg.local_steps, max_grad_norm=train_cfg.max_grad_norm, device=self.ctx.device, lr_at=lr_at,
-        )
+        if self.privacy.mode == "sample":
+            from nebula_fl.privacy.sample_dp import train_private_steps
+
+            losses = train_private_steps(self.private, self.batches, steps=train_cfg.local_steps,
+                                         device=self.ctx.device, lr_at=lr_at)
+            self.ledger.record(noise_multiplier=self.dp_sigma, sample_rate=self.dp_sample_rate,
+                               steps=train_cfg.local_steps)
+        else:
+            losses = train_steps(
+                self.model, self.optimizer, self.data, self.schedule,
+                steps=train_cfg.local_steps, max_grad_norm=train_cfg.max_grad_norm, device=self.ctx.device, lr_at=lr_at,
+            )
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
         seconds = time.monotonic() - started
         after = adapter_arrays(self.peft)
         update = {k: (after[k] - np.asarray(global_arrays[k], dtype=np.float32)).astype(np.float32) for k in after}
 
-        stats = torch.tensor([float(np.mean(losses)), _checksum(after)], dtype=torch.float64)
+        privacy_metrics: dict[str, Any] = {}
+        if self.privacy.mode == "client" and self.ctx.rank == 0:
+            update, privacy_metrics = self._privatize_update(update, config, server_round)
+        stats = torch.tensor([float(np.nanmean(losses)), _checksum(after)], dtype=torch.float64)
         gathered = [torch.zeros_like(stats) for _ in range(self.ctx.world)]
         dist.all_gather(gathered, stats, group=self.ctx.control)
         rank_losses = [float(g[0]) for g in gathered]
         sums = [float(g[1]) for g in gathered]
+        out: Arrays = update
+        error = None
+        if "codec-up" in config and self.ctx.rank == 0:
+            try:
+                out = self._encode_up(update, config)
+            except (NebulaError, ValueError) as err:
+                error = str(err)
+        try:
+            self.agree(error)
+        except RequestError:
+            self.round = None  # the round trained but was not kept: restart from the last snapshot next time
+            raise
+        if view is not None:
+            self.view, self.view_round = view, server_round
         self.round = server_round
         self._save_snapshot()
         metrics = {
@@ -235,9 +400,86 @@ class ClusterTrainer:
             "device": self.ctx.device.type,
             "rank-divergence": float(max(abs(s - sums[0]) for s in sums)),
         }
-        return update, metrics
+        if self.up is not None and self.ctx.rank == 0:
+            metrics["codec-up"] = self.up.describe()["spec"]
+            metrics["update-bytes"] = int(out["blob"].size) if "blob" in out else 0
+        if self.ledger is not None:
+            metrics.update(self._ledger_metrics())
+        metrics.update(privacy_metrics)
+        return out, metrics
+
+    # -- privacy -----------------------------------------------------------------------------------
+    def _ledger_metrics(self) -> dict[str, Any]:
+        entry = self.ledger.metrics_entry(max_grad_norm=self.privacy.max_grad_norm)
+        entry.pop("accountant", None)  # a string: sent as a note
+        return {k.replace("_", "-"): v for k, v in entry.items()}
+
+    def _budget_refusal(self, train_cfg: TrainConfig) -> dict[str, Any] | None:
+        """The reply of a cluster that will not train this round because its budget would be exceeded."""
+        if self.privacy.max_epsilon is None:
+            return None
+        from nebula_fl.privacy.budget import decide_round
+
+        decision = decide_round(ledger=self.ledger, max_epsilon=self.privacy.max_epsilon,
+                                noise_multiplier=self.dp_sigma, sample_rate=self.dp_sample_rate,
+                                steps=train_cfg.local_steps)
+        if decision.allowed:
+            return None
+        print(f"trainer {self.ctx.cluster_id}: refuses the round: {decision.reason}", flush=True)
+        return {"cluster-id": self.ctx.cluster_id, "num-examples": len(self.ctx.shard), "privacy-refused": 1,
+                "privacy-reason": decision.reason, "epsilon-if-trained": decision.epsilon_after,
+                **self._ledger_metrics()}
+
+    def _privatize_update(self, update: Arrays, config: dict[str, Any], server_round: int) -> tuple[Arrays, dict]:
+        """Client-level DP: clip the update to C and add this cluster's share of N(0, (sigma C)^2)."""
+        from nebula_fl.privacy.client_dp import add_gaussian, clip_update, noise_share_std
+
+        clip = self.privacy.max_grad_norm
+        clipped, norm = clip_update(update, max_norm=clip)
+        sigma = float(config["privacy-sigma"])
+        shares = int(config.get("privacy-noise-shares", 1))
+        std = noise_share_std(noise_multiplier=sigma, max_norm=clip, shares=shares)
+        rng = np.random.default_rng([self._local_seed(), self.ctx.cluster_id, server_round])
+        noisy = add_gaussian(clipped, std=std, rng=rng)
+        return noisy, {"update-norm-before-clip": norm, "clipped": int(norm > clip), "noise-std": std,
+                       "noise-multiplier": sigma, "max-grad-norm": clip}
 
 
 def _checksum(arrays: Arrays) -> float:
     """A cheap fingerprint of the adapter; ranks in sync give bit-identical sums."""
     return float(sum(float(np.abs(v).astype(np.float64).sum()) for v in arrays.values()))
+
+
+def _retune(current: Compressor | None, spec: str, layout: Layout) -> Compressor:
+    """The uplink compressor for `spec`: the current one re-tuned (keeping its error-feedback residual)
+    when only its ratio/rank/bits changed, else a new one (another chain starts with no residual)."""
+    fresh = Compressor(spec, layout=layout)
+    if current is not None and fresh.param is not None:
+        try:
+            retuned = current.with_param(fresh.param)
+        except CodecError:
+            return fresh
+        if retuned.spec == fresh.spec:
+            return retuned
+    return fresh
+
+
+def _to_torch(state: Any) -> Any:
+    """Codec state (NumPy arrays in nested dicts) as tensors, which torch.load(weights_only=True) accepts."""
+    if isinstance(state, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(state).copy())
+    if isinstance(state, dict):
+        return {k: _to_torch(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return [_to_torch(v) for v in state]
+    return state
+
+
+def _to_numpy(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.numpy().copy()
+    if isinstance(state, dict):
+        return {k: _to_numpy(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_to_numpy(v) for v in state]
+    return state

@@ -109,11 +109,11 @@ def _serve(listener: Listener, trainer, opts: TrainerOptions) -> None:
                     print(f"trainer {opts.cluster_id}: refused round: {err}", file=sys.stderr, flush=True)
                     conn.send_bytes(pack({"ok": False, "error": str(err)}))
                     continue
-                print(
-                    f"trainer {opts.cluster_id}: round {config.get('server-round')} done: "
-                    f"loss {metrics['train-loss']:.4f}, {metrics['seconds']:.1f} s",
-                    flush=True,
-                )
+                if "train-loss" in metrics:
+                    done = f"loss {metrics['train-loss']:.4f}, {metrics['seconds']:.1f} s"
+                else:  # the cluster declined the round (its privacy budget): the reply says why
+                    done = f"declined: {metrics.get('privacy-reason', '')}"
+                print(f"trainer {opts.cluster_id}: round {config.get('server-round')} {done}", flush=True)
                 conn.send_bytes(pack({"ok": True, "metrics": metrics}, update))
             else:
                 conn.send_bytes(pack({"ok": False, "error": f"unknown op {op!r}"}))

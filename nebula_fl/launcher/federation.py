@@ -164,7 +164,11 @@ class Federation:
             trainers.append((i, sock, proc))
         self._wait(lambda: not port_free(port), superlink, "the SuperLink", timeout=60)
         self.console.print(f"superlink listening on 127.0.0.1:{port}")
-        app = write_app(self.folder.path, cfg.to_flat())
+        links = self._start_wan(socket_dir, port, env) if plan.wan else [port] * plan.clusters
+        flat = cfg.to_flat()
+        if plan.wan:
+            flat["comm.wan-control"] = ",".join(str(socket_dir / f"wan-{i}.sock") for i in range(plan.clusters))
+        app = write_app(self.folder.path, flat)
         self.procs.start(
             "flwr-run", [_bin("flwr"), "run", str(app), "local", "--stream"],
             log_path=self.logs / "server.log", env=env, cwd=self.folder.path, expect_exit=True,
@@ -186,11 +190,38 @@ class Federation:
             )
             self.procs.start(
                 f"supernode-{i}",
-                [_bin("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}", "--port",
+                [_bin("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{links[i]}", "--port",
                  str(free_port()), "--node-config", f'trainer="{sock}" cluster-id={i}'],
                 log_path=self.logs / f"supernode-{i}.log", env=env,
             )
         self.console.print(f"federation started: {plan.clusters} cluster(s), logs in {self.logs}")
+
+    def _start_wan(self, socket_dir: Path, port: int, env: dict[str, str]) -> list[int]:
+        """One emulated WAN link (a counting, shaping proxy) per cluster; returns the ports to connect to."""
+        from nebula_fl.wan.service import query_proxy
+
+        ports = []
+        for i, profile in enumerate(self.plan.wan or []):
+            listen = free_port()
+            control = socket_dir / f"wan-{i}.sock"
+            proc = self.procs.start(
+                f"wan-{i}",
+                [sys.executable, "-m", "nebula_fl.wan", "--listen-port", str(listen), "--target", f"127.0.0.1:{port}",
+                 "--profile", profile, "--control", str(control)],
+                log_path=self.logs / f"wan-{i}.log", env=env,
+            )
+
+            def ready(control=control) -> bool:
+                try:
+                    query_proxy(str(control), "stats")
+                    return True
+                except Exception:
+                    return False
+
+            self._wait(ready, proc, f"the WAN proxy of cluster {i}", timeout=60)
+            self.console.print(f"cluster {i}: emulated WAN {profile} on 127.0.0.1:{listen}")
+            ports.append(listen)
+        return ports
 
     def _wait(self, condition, proc: Managed, what: str, *, timeout: float) -> None:
         deadline = time.monotonic() + timeout

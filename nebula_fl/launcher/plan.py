@@ -27,6 +27,7 @@ FLAG_KEYS = {
     "outer_optimizer": "outer-optimizer",
     "partition": "partition",
     "seed": "seed",
+    "codec": "comm.codec",
 }
 RESUME_FLAGS = {"rounds", "port"}
 
@@ -40,6 +41,7 @@ class LaunchPlan:
     devices: list[str]
     port: int
     resume: bool
+    wan: list[str] | None = None  # one emulated-link profile per cluster, or no emulated WAN
 
     @property
     def threads(self) -> list[int]:
@@ -49,7 +51,8 @@ class LaunchPlan:
         return [per] * self.clusters
 
     def launcher_record(self) -> dict[str, Any]:
-        return {"clusters": self.clusters, "workers": self.workers, "devices": self.devices, "port": self.port}
+        return {"clusters": self.clusters, "workers": self.workers, "devices": self.devices, "port": self.port,
+                "wan": self.wan}
 
 
 def parse_run_config(text: str | None) -> dict[str, Any]:
@@ -70,6 +73,21 @@ def _per_cluster(text: str, clusters: int, flag: str, cast) -> list:
     if len(values) != clusters:
         raise NebulaError(f"{flag} lists {len(values)} values for {clusters} clusters; give one value or one per cluster")
     return values
+
+
+def _wan_profiles(text: str | None, clusters: int) -> list[str] | None:
+    """One emulated-link profile per cluster from --wan, checked; None without --wan."""
+    if not text:
+        return None
+    from nebula_fl.wan.profile import parse_profile
+
+    specs = _per_cluster(text, clusters, "--wan", str)
+    for spec in specs:
+        try:
+            parse_profile(spec)
+        except ValueError as err:
+            raise NebulaError(f"--wan: {err}") from None
+    return specs
 
 
 def _positive_int(text: str) -> int:
@@ -126,14 +144,14 @@ def make_plan(args: Any) -> LaunchPlan:
     workers = _per_cluster(args.workers_per_cluster or "1", clusters, "--workers-per-cluster", _positive_int)
     devices = _per_cluster(args.device or "cpu", clusters, "--device", _device)
     plan = LaunchPlan(config=config, out=out, clusters=clusters, workers=workers, devices=devices,
-                      port=args.port, resume=False)
+                      port=args.port, resume=False, wan=_wan_profiles(args.wan, clusters))
     _check(plan)
     return plan
 
 
 def _resume_plan(args: Any) -> LaunchPlan:
     given = [name for name in ("clusters", "local_steps", "outer_optimizer", "partition", "seed", "out", "run_config",
-                               "workers_per_cluster", "device", "preset")
+                               "workers_per_cluster", "device", "preset", "codec", "wan")
              if getattr(args, name) is not None]
     if given:
         raise NebulaError(
@@ -159,7 +177,7 @@ def _resume_plan(args: Any) -> LaunchPlan:
     launcher = stored["launcher"]
     plan = LaunchPlan(config=config, out=folder.path, clusters=int(launcher["clusters"]),
                       workers=list(launcher["workers"]), devices=list(launcher["devices"]),
-                      port=args.port, resume=True)
+                      port=args.port, resume=True, wan=launcher.get("wan"))
     _check(plan)
     return plan
 

@@ -21,25 +21,30 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-def build_model(cfg: ModelConfig, *, num_labels: int, seed: int, path: Path | None = None) -> PeftModel:
-    """The base encoder with a fresh classification head, wrapped by LoRA; only adapter + head train.
-
-    The same (cfg, num_labels, seed) gives the same initial adapter everywhere, but only the server's
-    initial adapter matters: clusters overwrite theirs with the global one every round.
-    """
+def build_classifier(path: Path, *, num_labels: int, seed: int) -> SequenceClassifier:
+    """The base encoder with a fresh (seeded) classification head, every weight trainable."""
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    path = path or resolve_model_path(cfg.model)
     torch.manual_seed(seed)
     try:
         encoder = AutoModel.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as err:
         raise NebulaError(f"could not load the model in '{path}': {str(err).splitlines()[0]}") from None
-    model = SequenceClassifier(encoder, hidden_size=encoder.config.hidden_size, num_labels=num_labels)
-    names = {name.rsplit(".", 1)[-1] for name, _ in encoder.named_modules()}
+    return SequenceClassifier(encoder, hidden_size=encoder.config.hidden_size, num_labels=num_labels)
+
+
+def build_model(cfg: ModelConfig, *, num_labels: int, seed: int, path: Path | None = None) -> PeftModel:
+    """The classifier wrapped by LoRA; only the adapter and the head train.
+
+    The same (cfg, num_labels, seed) gives the same initial adapter everywhere, but only the server's
+    initial adapter matters: clusters overwrite theirs with the global one every round.
+    """
+    path = path or resolve_model_path(cfg.model)
+    model = build_classifier(path, num_labels=num_labels, seed=seed)
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.encoder.named_modules()}
     missing = [m for m in cfg.target_modules() if m not in names]
     if missing:
         raise NebulaError(

@@ -18,19 +18,47 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
+from nebula_fl.comm.adaptive import BandwidthTracker
 from nebula_fl.config import RunConfig
 from nebula_fl.errors import NebulaError
 from nebula_fl.server.evaluation import ServerEvaluator
 from nebula_fl.server.plots import plot_accuracy_vs_bytes
 from nebula_fl.server.run_folder import PLOT, RunFolder
+from nebula_fl.server.wan_counters import WanCounters
 from nebula_fl.strategies import make_strategy
 from nebula_fl.strategies.adapter_strategy import to_numpy, to_record
-from nebula_fl.strategies.base import RoundOutcome
+from nebula_fl.strategies.base import NebulaStrategy, RoundOutcome
+from nebula_fl.strategies.compression import CompressionWrapper
+from nebula_fl.strategies.privacy import PrivacyWrapper
+from nebula_fl.wan.profile import parse_profile
 
 # Keys that may differ between a run and its resumption; everything else must match.
-RESUMABLE_CHANGES = {"resume", "out-dir", "num-server-rounds", "round-timeout", "connect-timeout"}
+RESUMABLE_CHANGES = {"resume", "out-dir", "num-server-rounds", "round-timeout", "connect-timeout", "comm.wan-control"}
 
 app = ServerApp()
+
+
+def build_strategy(cfg: RunConfig, *, initial: dict[str, np.ndarray] | None = None) -> NebulaStrategy:
+    """The outer-optimizer strategy, wrapped by compression (which also packs every message into one blob),
+    wrapped by differential privacy when it is on."""
+    inner = make_strategy(cfg.outer, clusters_per_round=cfg.federation.clusters_per_round, seed=cfg.federation.seed)
+    profiles = [parse_profile(p.strip()) for p in cfg.comm.link_profiles.split(",") if p.strip()]
+    # one profile is every cluster's link; several are clusters 0, 1, ... in order
+    keyed = {"*": profiles[0]} if len(profiles) == 1 else {str(i): p for i, p in enumerate(profiles)}
+    compressed = CompressionWrapper(
+        inner,
+        codec_up=cfg.comm.codec,
+        codec_down=cfg.comm.down_spec(),
+        seed=cfg.federation.seed,
+        adaptive_target_s=cfg.comm.target_seconds if cfg.comm.adaptive else None,
+        param_range=(cfg.comm.param_min, cfg.comm.param_max),
+        bandwidth=BandwidthTracker(configured={k: p.up_bps for k, p in keyed.items()}),
+        initial=initial,
+    )
+    if cfg.privacy.mode == "off":
+        return compressed
+    return PrivacyWrapper(compressed, cfg=cfg.privacy, num_rounds=cfg.federation.num_server_rounds,
+                          clusters=cfg.federation.min_clusters)
 
 
 class Interrupted(BaseException):
@@ -135,14 +163,15 @@ class ServerRun:
         cfg = self.cfg
         log(INFO, "run folder: %s", self.folder.path)
         evaluator = ServerEvaluator(cfg)
-        self.strategy = make_strategy(cfg.outer, clusters_per_round=cfg.federation.clusters_per_round,
-                                      seed=cfg.federation.seed)
+        initial = evaluator.initial_adapter()
+        self.strategy = build_strategy(cfg, initial=initial)
+        self.wan = WanCounters.from_config(cfg.comm.wan_control)
         if state is not None:
             self.strategy.load_state_dict(state["strategy"])
-        arrays = adapter if adapter is not None else evaluator.initial_adapter()
+        arrays = adapter if adapter is not None else initial
         wait_for_clusters(grid, minimum=cfg.federation.min_clusters, timeout=cfg.federation.connect_timeout)
         train_config = ConfigRecord(
-            {**cfg.train.to_flat(), **cfg.model.to_flat(), "labels": list(evaluator.labels),
+            {**cfg.train.to_flat(), **cfg.model.to_flat(), **cfg.privacy.to_flat(), "labels": list(evaluator.labels),
              "federation-id": self.federation_id, "seed": cfg.federation.seed,
              "num-server-rounds": cfg.federation.num_server_rounds}
         )
@@ -169,6 +198,8 @@ class ServerRun:
         final = self.folder.load_checkpoint()
         if final is not None:
             self.folder.save_adapter(final[1])
+        if self.strategy.stop_reason:
+            self.folder.update_summary(stopped_early=self.strategy.stop_reason)
         self._finish("completed")
 
     # -- per round -------------------------------------------------------------------------------
@@ -187,8 +218,13 @@ class ServerRun:
             reason = outcome.rejected.get(node_id) or traffic.error
             if reason:
                 rejected[cid] = reason
-        up = sum(c["bytes_up"] for c in clusters.values())
-        down = sum(c["bytes_down"] for c in clusters.values())
+        for cid, note in outcome.notes.items():
+            clusters.setdefault(cid, {}).update(note)
+        wan = self.wan.read_round() if self.wan else {}
+        for cid, counted in wan.items():
+            clusters.setdefault(cid, {"bytes_up": 0, "bytes_down": 0}).update(counted)
+        up = sum(c.get("bytes_up", 0) for c in clusters.values())
+        down = sum(c.get("bytes_down", 0) for c in clusters.values())
         evals = dict(outcome.eval_metrics or {})
         train = dict(outcome.train_metrics or {})
         elapsed = self.wall_before + time.monotonic() - self.started
@@ -205,10 +241,12 @@ class ServerRun:
             "cumulative_bytes_up": cum_up + up,
             "cumulative_bytes_down": cum_down + down,
             "cumulative_bytes": cum_up + up + cum_down + down,
+            **self._wan_totals(previous, wan),
             "seconds": outcome.seconds,
             "elapsed_seconds": elapsed,
             "clusters": clusters,
             "rejected": rejected,
+            **outcome.extras,
         }
         self.folder.append_round(line)
         self.folder.save_checkpoint(
@@ -220,6 +258,18 @@ class ServerRun:
         self.folder.update_summary(rounds_completed=outcome.round, wall_seconds=elapsed)
         log(INFO, "round %d: accuracy %.4f, macro-F1 %.4f, %d B up, %d B down, %.1f s", outcome.round,
             line["accuracy"] or 0.0, line["macro_f1"] or 0.0, up, down, outcome.seconds)
+
+    @staticmethod
+    def _wan_totals(previous: list[dict[str, Any]], wan: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """Proxy-counted bytes of this round and so far (only when the WAN is emulated)."""
+        if not wan:
+            return {}
+        up = sum(c["wan_bytes_up"] for c in wan.values())
+        down = sum(c["wan_bytes_down"] for c in wan.values())
+        before = previous[-1].get("cumulative_wan_bytes", 0) if previous else 0
+        return {"wan_bytes_up": up, "wan_bytes_down": down,
+                "wan_requests": sum(c["wan_requests"] for c in wan.values()),
+                "cumulative_wan_bytes": before + up + down}
 
     def _finish(self, status: str, *, error: str | None = None) -> None:
         rounds = self.folder.rounds()
@@ -244,11 +294,14 @@ class ServerRun:
             initial_evaluation=self.initial,
             bytes_up_total=final.get("cumulative_bytes_up", 0),
             bytes_down_total=final.get("cumulative_bytes_down", 0),
+            wan_bytes_total=final.get("cumulative_wan_bytes"),
             bytes_up_per_round_per_cluster=_mean(c["bytes_up"] for c in cluster_rounds),
             bytes_down_per_round_per_cluster=_mean(c["bytes_down"] for c in cluster_rounds),
             wall_seconds=self.wall_before + time.monotonic() - self.started,
             federation_id=getattr(self, "federation_id", None),
         )
+        if isinstance(getattr(self, "strategy", None), PrivacyWrapper):
+            summary = self.folder.update_summary(privacy=self.strategy.report())
         log(INFO, "run %s: %s after %d round(s)", self.folder.path, summary["status"], done)
 
 

@@ -35,6 +35,8 @@ class NodeTraffic:
     bytes_up: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    elapsed_s: float | None = None  # push to reply, on the server's clock
+    arrived_at: float | None = None  # wall-clock time the reply reached the SuperLink (midpoint of two polls)
 
 
 @dataclass
@@ -46,6 +48,12 @@ class RoundOutcome:
     nodes: dict[int, NodeTraffic]
     rejected: dict[int, str]
     seconds: float
+    notes: dict[str, dict[str, Any]] = field(default_factory=dict)  # cluster id -> what a wrapper decided
+    extras: dict[str, Any] = field(default_factory=dict)  # run-level records of this round (e.g. privacy)
+
+
+class StopFederation(Exception):
+    """Raised by a strategy when the run should end now, cleanly (e.g. every privacy budget is spent)."""
 
 
 RoundCallback = Callable[[RoundOutcome], None]
@@ -61,6 +69,7 @@ class NebulaStrategy(Strategy):
         # message id -> destination node of the messages in flight; an error reply made by the SuperLink
         # (e.g. "node unavailable") carries the SuperLink as its source, so replies are matched by id.
         self.destinations: dict[str, int] = {}
+        self.stop_reason: str | None = None  # why the run ended before its last round, if it did
 
     def node_of(self, reply: Message) -> int:
         """The cluster node a reply answers for, even when the SuperLink wrote it."""
@@ -72,6 +81,17 @@ class NebulaStrategy(Strategy):
 
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def observe_traffic(self, traffic: dict[int, NodeTraffic]) -> None:
+        """Called with each round's measured traffic before the next round is configured."""
+
+    def round_notes(self) -> dict[str, dict[str, Any]]:
+        """Per-cluster decisions of this round worth recording (e.g. an adaptive codec setting)."""
+        return {}
+
+    def round_summary(self) -> dict[str, Any]:
+        """Run-level records of this round (e.g. the server's privacy accountant)."""
+        return {}
 
     def exchange(
         self, grid: Grid, messages: Iterable[Message], *, timeout: float, poll_interval: float
@@ -85,15 +105,25 @@ class NebulaStrategy(Strategy):
         if len(pending) < len(messages):
             log(WARNING, "%d of %d messages could not be pushed", len(messages) - len(pending), len(messages))
         replies: list[Message] = []
-        deadline = time.monotonic() + timeout
+        pushed = time.monotonic()
+        arrived: dict[str, float] = {}
+        deadline = pushed + timeout
+        arrived_wall: dict[str, float] = {}
+        last_poll = time.time()
         while pending and time.monotonic() < deadline:
             got = list(grid.pull_messages(pending))
             replies.extend(got)
+            now, wall = time.monotonic(), time.time()
+            arrived.update({m.metadata.reply_to_message_id: now - pushed for m in got})
+            arrived_wall.update({m.metadata.reply_to_message_id: (last_poll + wall) / 2 for m in got})
+            last_poll = wall
             pending -= {m.metadata.reply_to_message_id for m in got}
             if pending:
                 time.sleep(poll_interval)
         for reply in replies:
             entry = traffic.setdefault(self.node_of(reply), NodeTraffic())
+            entry.elapsed_s = arrived.get(reply.metadata.reply_to_message_id)
+            entry.arrived_at = arrived_wall.get(reply.metadata.reply_to_message_id)
             if reply.has_error():
                 entry.error = reply.error.reason
             else:
@@ -134,9 +164,15 @@ class NebulaStrategy(Strategy):
             started = time.monotonic()
             log(INFO, "[ROUND %d/%d]", rnd, num_rounds)
             self.rejected = {}
-            messages = self.configure_train(rnd, arrays, train_config, grid)
+            try:
+                messages = self.configure_train(rnd, arrays, train_config, grid)
+            except StopFederation as stop:
+                self.stop_reason = str(stop)
+                log(INFO, "the run ends before round %d: %s", rnd, stop)
+                break
             replies, traffic = self.exchange(grid, messages, timeout=timeout, poll_interval=poll_interval)
             new_arrays, train_metrics = self.aggregate_train(rnd, replies)
+            self.observe_traffic(traffic)
             if new_arrays is None:
                 reasons = "; ".join(
                     f"node {n}: {self.rejected.get(n) or t.error or 'rejected'}" for n, t in traffic.items()
@@ -156,6 +192,6 @@ class NebulaStrategy(Strategy):
             if on_round_end:
                 on_round_end(
                     RoundOutcome(rnd, arrays, train_metrics, eval_metrics, traffic, dict(self.rejected),
-                                 time.monotonic() - started)
+                                 time.monotonic() - started, self.round_notes(), self.round_summary())
                 )
         return result
