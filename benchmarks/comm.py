@@ -10,7 +10,7 @@ and unthrottled (its compute-only round times). A first-order model (`nebula_fl.
 predicts the time to target from 1 Mbit/s to 1 Gbit/s from each configuration's measured bytes,
 requests, RTT and compute; it must reproduce the measured 20 Mbit/s point within 10%.
 
-    .venv/bin/python benchmarks/comm.py            # ~25 min on 2 cores
+    .venv/bin/python benchmarks/comm.py            # ~30 min on 2 cores
     .venv/bin/python benchmarks/comm.py --quick    # a few minutes: less data, fewer rounds
 
 Writes results.json, accuracy_vs_wan_bytes.png and time_to_target_vs_bandwidth.png; prints tables.

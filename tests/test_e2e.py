@@ -176,6 +176,7 @@ def test_privacy_budgets_stop_each_cluster_and_the_run_ends_cleanly(tiny_model, 
     assert [x["round"] for x in lines] == [1, 2, 3]
     eps = [[x["clusters"].get(c, {}).get("epsilon") for c in ("0", "1")] for x in lines]
     assert "1" not in lines[2]["clusters"]  # an exhausted cluster is no longer sampled
+    assert [lines[0]["clusters"][c]["accountant"] for c in ("0", "1")] == ["rdp", "rdp"]
     assert eps[0] == [pytest.approx(3.493, abs=2e-3), pytest.approx(4.659, abs=2e-3)]
     assert eps[1][0] == pytest.approx(4.278, abs=2e-3) and eps[1][1] == pytest.approx(4.659, abs=2e-3)
     assert max(e for row in eps for e in row if e is not None) <= 4.8  # nobody went past the budget
@@ -183,7 +184,7 @@ def test_privacy_budgets_stop_each_cluster_and_the_run_ends_cleanly(tiny_model, 
 
     report = subprocess.run(nebula_cmd("privacy-report", str(out)), capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr
-    assert "4.8" in report.stdout
+    assert "4.8" in report.stdout and "rdp accountant" in report.stdout
     privacy = json.loads((out / "privacy.json").read_text())
     assert set(privacy["clusters"]) == {"0", "1"}
     assert (out / "privacy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -39,6 +39,7 @@ class PrivacyWrapper(NebulaStrategy):
         self.num_rounds, self.clusters = num_rounds, clusters
         self.exhausted: dict[str, dict[str, Any]] = {}  # cluster -> {"round", "reason", "epsilon"}
         self.node_cluster: dict[int, str] = {}
+        self.round_clusters: set[str] = set()
         self.notes: dict[str, dict[str, Any]] = {}
         self.current: ArrayRecord | None = None
         self.server_ledger = None
@@ -153,14 +154,15 @@ class PrivacyWrapper(NebulaStrategy):
         return make_message(metadata=reply.metadata, content=RecordDict(records))
 
     def observe_traffic(self, traffic: dict[int, NodeTraffic]) -> None:
+        self.round_clusters = {self.node_cluster[n] for n in traffic if n in self.node_cluster}
         self.inner.observe_traffic(traffic)
 
     def round_notes(self) -> dict[str, dict[str, Any]]:
         notes = {cid: dict(n) for cid, n in self.inner.round_notes().items()}
         for cid, n in self.notes.items():
             notes.setdefault(cid, {}).update(n)
-        for n in notes.values():  # only the clusters that took part in this round
-            n["accountant"] = self.cfg.accountant
+        for cid in self.round_clusters:  # only the clusters that took part in this round
+            notes.setdefault(cid, {})["accountant"] = self.cfg.accountant
         return notes
 
     def round_summary(self) -> dict[str, Any]:
