@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -82,11 +83,32 @@ class Tracked:
             if until is not None and until():
                 return -1
             if time.monotonic() > deadline:
-                self.popen.kill()
+                self.stop()
                 raise AssertionError(f"CLI did not finish in {timeout} s; log:\n{self.output()[-3000:]}")
             time.sleep(0.25)
         self.handle.close()
         return self.popen.returncode
+
+    def stop(self, grace: float = 60.0) -> None:
+        """A failed test must not orphan the federation: Ctrl-C the launcher (it stops what it started),
+        then kill whatever of its recorded descendants is still alive."""
+        self.poll_tree()
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGINT)
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        for pid, (created, _) in self.seen.items():
+            try:
+                proc = psutil.Process(pid)
+                if abs(proc.create_time() - created) < 1e-3:
+                    proc.kill()
+            except psutil.Error:
+                pass
+        if not self.handle.closed:
+            self.handle.close()
 
     def output(self) -> str:
         if not self.handle.closed:
@@ -121,8 +143,7 @@ def run_cli(tmp_path):
 
     yield _run
     for tracked in runs:
-        if tracked.popen.poll() is None:
-            tracked.popen.kill()
+        tracked.stop()
 
 
 @pytest.fixture(autouse=True)
