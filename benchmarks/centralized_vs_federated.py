@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
+from federation_runs import fresh_out, run_federation  # beside this script, first on sys.path
 from rich.console import Console
 from rich.table import Table
 
@@ -81,17 +80,12 @@ def centralized(cfg: RunConfig, *, clusters: int, console: Console) -> dict:
 
 def federated(args, out: Path, console: Console) -> dict:
     run_dir = out / "federated-run"
-    cmd = [sys.executable, "-m", "nebula_fl", "run", "--preset", args.preset, "--clusters", str(args.clusters),
-           "--seed", str(args.seed), "--out", str(run_dir), "--port", "0"]
+    cmd = ["--preset", args.preset, "--clusters", str(args.clusters), "--seed", str(args.seed), "--port", "0"]
     if args.run_config:
         cmd += ["--run-config", args.run_config]
-    console.print(f"federated: {' '.join(cmd[2:])}")
+    console.print(f"federated: nebula_fl run {' '.join(cmd)} --out {run_dir}")
     started = time.monotonic()
-    proc = subprocess.run(cmd, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"the federated run failed (exit {proc.returncode}); see {run_dir}/logs")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary, rounds = run_federation(cmd, folder=run_dir)
     steps = sum(c["steps"] for line in rounds for c in line["clusters"].values())
     return {
         "accuracy": summary["final_accuracy"],
@@ -135,10 +129,7 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results/centralized_vs_federated")
     args = parser.parse_args()
     console = Console(highlight=False, width=140)
-    out = Path(args.out).resolve()
-    if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"{out} is not empty; pass --out to a new folder")
-    out.mkdir(parents=True, exist_ok=True)
+    out = fresh_out(args.out)
     overrides = {**PRESETS[args.preset], "seed": args.seed, "min-clusters": args.clusters,
                  **parse_run_config(args.run_config)}
     cfg = RunConfig().replace(overrides)

@@ -22,13 +22,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from federation_runs import fresh_out, run_federation  # beside this script, first on sys.path
 from rich.console import Console
 from rich.table import Table
 
@@ -50,20 +50,15 @@ GOALS = {"bytes_ratio_vs_flower": 3000.0, "time_ratio_vs_flower_2mbit": 20.0, "w
 # -- running the configurations --------------------------------------------------------------------
 def run_nebula(name: str, *, codec: str, extra: str, args, wan: str | None, out: Path, console: Console) -> dict:
     folder = out / f"{name}{'-wan' if wan else '-nowan'}"
-    cmd = [sys.executable, "-m", "nebula_fl", "run", "--clusters", str(args.clusters), "--rounds", str(args.rounds),
-           "--local-steps", str(args.local_steps), "--seed", str(args.seed), "--out", str(folder), "--port", "0",
-           "--codec", codec, "--run-config", f"max-examples={args.max_examples} eval-initial=false {extra}".strip()]
+    cmd = ["--clusters", str(args.clusters), "--rounds", str(args.rounds), "--local-steps", str(args.local_steps),
+           "--seed", str(args.seed), "--port", "0", "--codec", codec,
+           "--run-config", f"max-examples={args.max_examples} eval-initial=false {extra}".strip()]
     if wan:
         cmd += ["--wan", wan]
     console.print(f"[bold]{name}[/bold] ({'WAN ' + wan if wan else 'unthrottled'}): nebula-fl run --codec {codec} {extra}")
-    log = folder.with_suffix(".log")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as handle:
-        proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed (exit {proc.returncode}); see {log}")
+    _, lines = run_federation(cmd, folder=folder, log=folder.with_suffix(".log"))
     rounds = []
-    for line in (json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()):
+    for line in lines:
         clusters = [
             {"bytes_up": c.get("wan_bytes_up", 0), "bytes_down": c.get("wan_bytes_down", 0),
              "push_objects": c.get("wan_push_objects", 0), "pull_objects": c.get("wan_pull_objects", 0),
@@ -344,10 +339,7 @@ def main() -> int:
     args.local_steps = 10 if args.quick else 20
     args.max_examples = 600 if args.quick else 0
     console = Console(highlight=False, width=150)
-    out = Path(args.out).resolve()
-    if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"{out} is not empty; pass --out to a new folder")
-    out.mkdir(parents=True, exist_ok=True)
+    out = fresh_out(args.out)
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     nebula = {"lora-uncompressed": ("none", "")}
     nebula.update({f"lora-{c}": (c, "") for c in codecs})

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+from federation_runs import fresh_out, run_federation  # beside this script, first on sys.path
 from rich.console import Console
 from rich.table import Table
 
@@ -30,17 +29,11 @@ def run(name: str, extra: str, args, out: Path, console: Console) -> dict:
     folder = out / name
     base = (f'dataset="{args.dataset}" max-examples={args.max_examples} max-seq-len={args.max_seq_len} '
             f"batch-size={args.batch_size} lr={args.lr} eval-initial=false partition=\"{args.partition}\"")
-    cmd = [sys.executable, "-m", "nebula_fl", "run", "--clusters", "2", "--rounds", str(args.rounds),
-           "--local-steps", str(args.local_steps), "--seed", str(args.seed), "--out", str(folder), "--port", "0",
-           "--run-config", f"{base} {extra}".strip()]
+    cmd = ["--clusters", "2", "--rounds", str(args.rounds), "--local-steps", str(args.local_steps),
+           "--seed", str(args.seed), "--port", "0", "--run-config", f"{base} {extra}".strip()]
     console.print(f"[bold]{name}[/bold]: {extra or 'no differential privacy'}")
     started = time.monotonic()
-    with folder.with_suffix(".log").open("w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed (exit {proc.returncode}); see {folder.with_suffix('.log')}")
-    summary = json.loads((folder / "summary.json").read_text())
-    lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    summary, lines = run_federation(cmd, folder=folder, log=folder.with_suffix(".log"))
     last = lines[-1]["clusters"]
     return {
         "name": name,
@@ -73,10 +66,7 @@ def main() -> int:
     args.local_steps = 10 if args.quick else 20
     args.max_examples = 3000 if args.quick else 10000
     console = Console(highlight=False, width=140)
-    out = Path(args.out).resolve()
-    if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"{out} is not empty; pass --out to a new folder")
-    out.mkdir(parents=True, exist_ok=True)
+    out = fresh_out(args.out)
     results = {"non-dp": run("non-dp", "", args, out, console)}
     for eps in [float(e) for e in args.epsilons.split(",")]:
         name = f"dp-eps{eps:g}"
