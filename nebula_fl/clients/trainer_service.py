@@ -109,10 +109,10 @@ def _serve(listener: Listener, trainer, opts: TrainerOptions) -> None:
                     print(f"trainer {opts.cluster_id}: refused round: {err}", file=sys.stderr, flush=True)
                     conn.send_bytes(pack({"ok": False, "error": str(err)}))
                     continue
-                if "train-loss" in metrics:
+                if metrics.get("privacy-refused"):  # the cluster declined the round: its budget is spent
+                    done = f"declined: {metrics['privacy-reason']}"
+                else:
                     done = f"loss {metrics['train-loss']:.4f}, {metrics['seconds']:.1f} s"
-                else:  # the cluster declined the round (its privacy budget): the reply says why
-                    done = f"declined: {metrics.get('privacy-reason', '')}"
                 print(f"trainer {opts.cluster_id}: round {config.get('server-round')} {done}", flush=True)
                 conn.send_bytes(pack({"ok": True, "metrics": metrics}, update))
             else:

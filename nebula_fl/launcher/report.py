@@ -52,7 +52,7 @@ def results_table(rounds: Sequence[dict[str, Any]], *, initial: dict[str, Any] |
         cells = []
         for cid in cluster_ids:
             c = line.get("clusters", {}).get(cid)
-            cells.append(f"{human_bytes(c['bytes_up'])} / {human_bytes(c['bytes_down'])}" if c and "bytes_up" in c else "-")
+            cells.append(f"{human_bytes(c['bytes_up'])} / {human_bytes(c['bytes_down'])}" if c else "-")
         table.add_row(
             str(line["round"]), _fmt(line.get("accuracy")), _fmt(line.get("macro_f1")), _fmt(line.get("loss")),
             _fmt(line.get("train_loss")), *cells, f"{line.get('seconds', 0):.1f}",
