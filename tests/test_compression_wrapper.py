@@ -188,7 +188,7 @@ def test_first_contact_sends_the_change_since_the_shared_initial_adapter():
     for k in GLOBAL:
         np.testing.assert_array_equal(view[k], GLOBAL[k])
     # a cluster that cannot rebuild the initial adapter (it says so with an error) is then sent everything
-    s.node_cluster[5] = "0"
+    s.directory.learn(5, "0")
     s.destinations = {"m5": 5}
     s.aggregate_train(1, [reply(5, error="resync needed: initial differs")])
     (m2,) = s.configure_train(2, record(GLOBAL), ConfigRecord({}), FakeGrid([5]))

@@ -55,12 +55,12 @@ def test_a_refusing_cluster_is_never_sampled_again_and_the_run_stops_when_none_i
     arrays2, metrics2 = s.aggregate_train(2, [reply(1, refused=True)])
     assert metrics2["clusters"] == 0
     np.testing.assert_array_equal(to_numpy(arrays2)["w"], to_numpy(arrays)["w"])  # nothing trained: unchanged
-    with pytest.raises(StopFederation, match="every cluster has spent its privacy budget"):
+    with pytest.raises(StopFederation, match="every cluster has stopped: its privacy budget is spent"):
         s.configure_train(3, arrays2, ConfigRecord({}), FakeGrid([1, 2]))
     assert s.report()["clusters"] == {"1": {"stopped_round": 2, "reason": s.exhausted["1"]["reason"],
-                                            "epsilon": 2.5},
+                                            "epsilon": 2.5, "refusal": "budget"},
                                       "2": {"stopped_round": 1, "reason": s.exhausted["2"]["reason"],
-                                            "epsilon": 2.5}}
+                                            "epsilon": 2.5, "refusal": "budget"}}
 
 
 def test_exhausted_clusters_survive_a_checkpoint():

@@ -1,9 +1,11 @@
+import socket
 import threading
+import time
 
 import numpy as np
 import pytest
 
-from nebula_fl.clients.protocol import key_path, listen, pack, request, unpack
+from nebula_fl.clients.protocol import TrainerListener, key_path, listen, pack, request, unpack
 from nebula_fl.errors import NebulaError
 
 
@@ -56,3 +58,24 @@ def test_request_reply_over_the_socket_and_wrong_key_is_refused(tmp_path):
 def test_a_missing_trainer_says_how_to_start_one(tmp_path):
     with pytest.raises(NebulaError, match="nebula-fl trainer"):
         request(tmp_path / "nothing.sock", {"op": "hello"})
+
+
+def test_a_client_that_stalls_in_the_handshake_is_dropped_after_the_io_timeout(tmp_path):
+    listener = TrainerListener(tmp_path / "t.sock", io_timeout=0.5)
+    stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stalled.connect(str(tmp_path / "t.sock"))  # connects, never answers the challenge
+    started = time.monotonic()
+    with pytest.raises(OSError):
+        listener.accept()
+    assert time.monotonic() - started < 5
+    stalled.close()
+    listener.close()
+
+
+def test_a_live_socket_is_never_taken_over_but_a_stale_one_is_reused(tmp_path):
+    first = listen(tmp_path / "t.sock")
+    with pytest.raises(NebulaError, match="another trainer already serves"):
+        listen(tmp_path / "t.sock")
+    first.close()  # the process died: its socket file stays, nobody listens
+    assert (tmp_path / "t.sock").exists()
+    listen(tmp_path / "t.sock").close()

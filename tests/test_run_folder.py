@@ -17,16 +17,16 @@ def test_nested_state_round_trips_through_split_and_join():
     assert back["rng"] == state["rng"]
 
 
-def test_checkpoint_keeps_only_the_latest_and_loads_it(tmp_path):
+def test_checkpoint_keeps_the_newest_two_and_loads_the_latest(tmp_path):
     folder = RunFolder(tmp_path / "run")
     folder.path.mkdir()
-    for r in (1, 2):
+    for r in (1, 2, 3):
         folder.save_checkpoint(round=r, adapter={"w": np.full(3, r, np.float32)}, state={"velocity": {"w": np.ones(3) * r}})
     done, adapter, state = folder.load_checkpoint()
-    assert done == 2
-    np.testing.assert_array_equal(adapter["w"], [2, 2, 2])
-    np.testing.assert_array_equal(state["velocity"]["w"], [2, 2, 2])
-    assert sorted(p.name for p in (folder.path / "checkpoint").iterdir()) == ["latest", "round-00002"]
+    assert done == 3
+    np.testing.assert_array_equal(adapter["w"], [3, 3, 3])
+    np.testing.assert_array_equal(state["velocity"]["w"], [3, 3, 3])
+    assert sorted(p.name for p in (folder.path / "checkpoint").iterdir()) == ["latest", "round-00002", "round-00003"]
 
 
 def test_truncate_keeps_each_round_once_up_to_the_checkpoint(tmp_path):

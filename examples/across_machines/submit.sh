@@ -1,15 +1,9 @@
 #!/usr/bin/env bash
-# Submit a run to the SuperLink from the repo root; --run-config takes any [tool.flwr.app.config] key.
+# Submit a run to the SuperLink from the repo root, over TLS (CA = the federation's ca.crt);
+# --run-config takes any [tool.flwr.app.config] key.
 set -euo pipefail
-: "${SUPERLINK:?set SUPERLINK=host:port}"
-export FLWR_HOME="${FLWR_HOME:-$PWD/.flwr-submit}" FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
-mkdir -p "$FLWR_HOME"
-cat > "$FLWR_HOME/config.toml" <<TOML
-[superlink]
-default = "remote"
-[superlink.remote]
-address = "$SUPERLINK"
-insecure = true
-TOML
+export FLWR_HOME="${FLWR_HOME:-$PWD/.flwr-submit}"
+# shellcheck source=connection.sh
+source "$(dirname "$0")/connection.sh"
 cd "$(git rev-parse --show-toplevel 2>/dev/null || echo .)"
 exec flwr run . remote --stream --run-config "min-clusters=${CLUSTERS:-2} ${RUN_CONFIG:-}"

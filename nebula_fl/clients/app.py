@@ -2,7 +2,9 @@
 
 Flower starts a fresh ``flwr-clientapp`` process for every message, so this module imports no torch
 and loads no model: it hands the global adapter and the round's config to the trainer named by the
-node config key ``trainer`` (its socket path) and returns the trainer's update and metrics.
+node config key ``trainer`` (its socket path) and returns the trainer's update and metrics. A
+``query`` message asks the trainer who it is (the server maps node ids to clusters with it: node ids
+change when a SuperNode restarts, clusters do not).
 """
 
 from __future__ import annotations
@@ -17,31 +19,52 @@ from nebula_fl.clients.protocol import request
 from nebula_fl.errors import NebulaError
 
 app = ClientApp()
+TRAINER_WAIT_S = 15.0  # a trainer restarting (its launcher restarts it at once) is waited for this long
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
+def _socket(context: Context) -> str:
     socket_path = context.node_config.get("trainer")
     if not isinstance(socket_path, str) or not socket_path:
         raise NebulaError(
             "this SuperNode has no trainer: start it with --node-config 'trainer=\"/path/to/trainer.sock\"'"
         )
+    return socket_path
+
+
+def _records(metrics: dict) -> dict:
+    """Numbers as a MetricRecord, strings (e.g. why a round was refused) as a ConfigRecord of notes."""
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    notes = {k: v for k, v in metrics.items() if isinstance(v, str)}
+    records: dict = {"metrics": MetricRecord(numbers)}
+    if notes:
+        records["notes"] = ConfigRecord(notes)
+    return records
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    socket_path = _socket(context)
     started = time.monotonic()
     records = msg.content.array_records
     # "down": one blob (the full adapter or its change, compressed); "arrays": the plain adapter
     record = records["down"] if "down" in records else records["arrays"]
     arrays = {key: array.numpy() for key, array in record.items()}
     config = dict(msg.content.config_records["config"])
-    reply, update = request(socket_path, {"op": "train", "config": config}, arrays)
-    numbers = {k: v for k, v in reply["metrics"].items() if isinstance(v, int | float) and not isinstance(v, bool)}
-    notes = {k: v for k, v in reply["metrics"].items() if isinstance(v, str)}  # e.g. why a round was refused
-    numbers["client-seconds"] = time.monotonic() - started
-    numbers["reply-sent-at"] = time.time()  # wall clock, so the server can time the upload of this reply
-    records = {
+    reply, update = request(socket_path, {"op": "train", "config": config}, arrays, wait_s=TRAINER_WAIT_S)
+    metrics = dict(reply["metrics"])
+    metrics["client-seconds"] = time.monotonic() - started
+    metrics["reply-sent-at"] = time.time()  # wall clock, so the server can time the upload of this reply
+    content = RecordDict({
         "update": ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in update.items()}),
-        "metrics": MetricRecord(numbers),
-    }
-    if notes:
-        records["notes"] = ConfigRecord(notes)
-    content = RecordDict(records)
+        **_records(metrics),
+    })
     return Message(content, reply_to=msg)
+
+
+@app.query()
+def identify(msg: Message, context: Context) -> Message:
+    """Who this node's cluster is: its id and size (answered by the trainer at once, even mid-round)."""
+    reply, _ = request(_socket(context), {"op": "hello"}, wait_s=TRAINER_WAIT_S)
+    metrics = {"cluster-id": int(reply["cluster_id"]), "num-examples": int(reply["num_examples"]),
+               "workers": int(reply["workers"]), "privacy-mode": str(reply.get("privacy_policy", {}).get("mode", "off"))}
+    return Message(RecordDict(_records(metrics)), reply_to=msg)

@@ -6,8 +6,9 @@ through ``agree`` before any collective that could otherwise hang. Rank 0 alone 
 and writes the cluster's snapshots.
 
 Inner-optimizer state (AdamW moments), the batch stream and each rank's RNG persist across rounds,
-as in DiLoCo, and are snapshotted after every round this cluster trains: a resumed federation, or a
-round the server re-sends, restarts from the last snapshot before that round.
+as in DiLoCo, and are snapshotted after every round this cluster trains (``snapshots.py``): a
+restarted trainer continues from its newest snapshot. What the server may ask is decided before a
+round reaches the ranks, by rank 0's privacy gate and reply cache (``trainer_service.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import copy
 import json
 import math
 import os
-import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -29,17 +29,19 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr, train_steps
+from nebula_fl.clients.reply_cache import FEDERATION_ID
+from nebula_fl.clients.snapshots import SnapshotStore
 from nebula_fl.comm.views import view_crc
 from nebula_fl.compression import CodecError, Compressor, Layout
-from nebula_fl.config import ModelConfig, PrivacyConfig, TrainConfig
+from nebula_fl.config import ModelConfig, TrainConfig
 from nebula_fl.data.datasets import TextDataset
 from nebula_fl.errors import NebulaError
 from nebula_fl.model.adapter import adapter_arrays, load_adapter_arrays
 from nebula_fl.model.batches import TokenizedTexts
 from nebula_fl.model.loading import build_model, load_tokenizer
+from nebula_fl.privacy.policy import Admission
 
 Arrays = dict[str, np.ndarray]
-SNAPSHOTS_KEPT = 3
 
 
 @dataclass(kw_only=True)
@@ -76,14 +78,13 @@ class ClusterTrainer:
             raise RequestError(first)
 
     # -- per-run setup -----------------------------------------------------------------------------
-    def setup(self, config: dict[str, Any]) -> None:
+    def setup(self, config: dict[str, Any], admission: Admission) -> None:
         """Build model, tokenised shard and fresh inner state for a federation; no-op if unchanged."""
         model_cfg = ModelConfig.from_flat(config)
         train_cfg = TrainConfig.from_flat(config)
-        privacy = PrivacyConfig.from_flat(config)
         labels = list(config["labels"])
-        key = json.dumps([config["federation-id"], model_cfg.to_flat(), labels, config["seed"], privacy.to_flat(),
-                          train_cfg.batch_size, config.get("num-server-rounds"), train_cfg.local_steps], sort_keys=True)
+        key = json.dumps([config["federation-id"], model_cfg.to_flat(), labels, config["seed"], admission.mode,
+                          train_cfg.batch_size], sort_keys=True)
         if key == self.setup_key:
             return
         names = self.ctx.shard.label_names
@@ -94,19 +95,20 @@ class ClusterTrainer:
                 f"({labels}); relabel the data or add them on the server"
             )
         federation_id = str(config["federation-id"])
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", federation_id):
+        if not FEDERATION_ID.fullmatch(federation_id):
             # it names this cluster's snapshot folder: never let the server pick a path
             raise RequestError(f"federation id {federation_id!r} is not a plain name of letters, digits, '-' and '_'")
         remap = np.array([labels.index(n) for n in names], dtype=np.int64)
         self.labels = remap[self.ctx.shard.labels]
         self.federation_id = federation_id
+        self.snapshots = SnapshotStore(self.ctx.state_dir / "snapshots" / federation_id)
         self.seed = int(config["seed"])
         model = build_model(model_cfg, num_labels=len(labels), seed=self.seed, path=self.ctx.model_path)
         self.peft = model.to(self.ctx.device)
-        self.privacy = privacy
+        self.mode = admission.mode
         initial = adapter_arrays(self.peft)
-        if privacy.mode == "sample":
-            self._setup_private(config, model_cfg, train_cfg)
+        if self.mode == "sample":
+            self._setup_private(model_cfg, train_cfg, admission)
         else:
             self.model = (
                 DistributedDataParallel(self.peft, device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None)
@@ -133,62 +135,28 @@ class ClusterTrainer:
         self.round = None
         self.state_valid = False
 
-    def _setup_private(self, config: dict[str, Any], model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
+    def _setup_private(self, model_cfg: ModelConfig, train_cfg: TrainConfig, admission: Admission) -> None:
         """DP-SGD over the cluster's whole shard: Opacus shards it across the ranks and Poisson-samples it."""
-        from nebula_fl.privacy.budget import default_delta, noise_for_target
         from nebula_fl.privacy.sample_dp import Batches, make_private
 
-        privacy = self.privacy
         self.dp_data = TokenizedTexts(self.tokenizer, self.ctx.shard.texts, self.labels, max_len=model_cfg.max_seq_len)
-        n = len(self.dp_data)
-        logical_batch = train_cfg.batch_size * self.ctx.world
-        sample_rate = 1.0 / math.ceil(n / logical_batch)
-        self.dp_delta = privacy.delta if privacy.delta is not None else default_delta(n)
-        planned = int(config.get("num-server-rounds", 1)) * train_cfg.local_steps
-        if privacy.noise_multiplier is not None:
-            self.dp_sigma = privacy.noise_multiplier
-        else:
-            self.dp_sigma = noise_for_target(target_epsilon=privacy.target_epsilon, delta=self.dp_delta,
-                                             sample_rate=sample_rate, steps=planned, accountant=privacy.accountant)
         params = [p for p in self.peft.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
-        self.private = make_private(model=self.peft, optimizer=optimizer, data=self.dp_data, batch_size=logical_batch,
-                                    noise_multiplier=self.dp_sigma, max_grad_norm=privacy.max_grad_norm,
+        self.private = make_private(model=self.peft, optimizer=optimizer, data=self.dp_data,
+                                    batch_size=train_cfg.batch_size * self.ctx.world,
+                                    noise_multiplier=admission.noise_multiplier, max_grad_norm=admission.max_grad_norm,
                                     distributed=self.ctx.world > 1)
-        self.dp_sample_rate = self.private.sample_rate
+        if not math.isclose(self.private.sample_rate, admission.sample_rate, rel_tol=1e-12):
+            raise RequestError(f"Opacus samples at q = {self.private.sample_rate:g} but the privacy gate admitted "
+                               f"q = {admission.sample_rate:g}; this is a bug, please report it")
         self.model, self.optimizer = self.private.module, self.private.optimizer
         self.batches = Batches(self.private.loader)
-
-    def _local_seed(self) -> int:
-        """A seed the server cannot know: DP noise drawn from a seed the server sent could be subtracted.
-
-        Kept in the cluster's state folder (mode 0600), so a restarted cluster continues its streams.
-        Not a CSPRNG stream (Opacus's secure_mode needs torchcsprng); unpredictable to the server.
-        Called first by every rank together (from _fresh_state), then cached.
-        """
-        if getattr(self, "_secret", None) is None:
-            path = self.ctx.state_dir / "local-secret"
-            if self.ctx.rank == 0 and not path.exists():
-                self.ctx.state_dir.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "w") as handle:
-                    handle.write(str(secrets.randbits(62)))
-            dist.barrier(group=self.ctx.control)
-            self._secret = int(path.read_text())
-        return self._secret
 
     def _fresh_state(self, train_cfg: TrainConfig) -> None:
         self.optimizer.load_state_dict(copy.deepcopy(self.initial_optimizer_state))
         self.schedule = BatchSchedule(len(self.data), batch_size=train_cfg.batch_size, seed=self.seed, rank=self.ctx.rank)
-        if self.privacy.mode == "off":
-            torch.manual_seed(self.seed * 1_000_003 + self.ctx.cluster_id * 1_009 + self.ctx.rank)
-        else:
-            torch.manual_seed((self._local_seed() + 1_009 * self.ctx.rank) % 2**62)
-        self.ledger = None
-        if self.privacy.mode == "sample":
-            from nebula_fl.privacy.ledger import PrivacyLedger
-
-            self.ledger = PrivacyLedger(accountant=self.privacy.accountant, delta=self.dp_delta)
+        torch.manual_seed(self.seed * 1_000_003 + self.ctx.cluster_id * 1_009 + self.ctx.rank)
+        if self.mode == "sample":
             self.batches.reset()
         self.state_valid = True
         self.round = 0
@@ -197,17 +165,8 @@ class ClusterTrainer:
         self.up: Compressor | None = None  # uplink codec chain, with this cluster's error-feedback residual
 
     # -- snapshots ---------------------------------------------------------------------------------
-    def _snapshot_dir(self) -> Path:
-        return self.ctx.state_dir / self.federation_id
-
-    def _snapshot_rounds(self) -> list[int]:
-        folder = self._snapshot_dir()
-        if not folder.is_dir():
-            return []
-        return sorted(int(p.stem.split("-")[1]) for p in folder.glob("round-*.pt"))
-
     def state_dict(self) -> dict[str, Any]:
-        """This rank's full inner state (optimizer, batch stream, RNG, view, codec residual, privacy ledger)."""
+        """This rank's inner state (optimizer, batch stream, RNG, view, codec residual); never the privacy ledger."""
         assert self.round is not None
         return {
             "round": self.round,
@@ -218,7 +177,6 @@ class ClusterTrainer:
             "view_round": self.view_round,
             "up_spec": None if self.up is None else self.up.describe()["spec"],
             "up_state": None if self.up is None else _to_torch(self.up.state_dict()),
-            "ledger": None if self.ledger is None else json.dumps(self.ledger.state_dict()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -228,10 +186,6 @@ class ClusterTrainer:
         self.round = int(state["round"])
         self.view = None if state.get("view") is None else state["view"].numpy().copy()
         self.view_round = int(state.get("view_round", -1))
-        if state.get("ledger"):
-            from nebula_fl.privacy.ledger import PrivacyLedger
-
-            self.ledger = PrivacyLedger.from_state(json.loads(state["ledger"]))
         self.up = None
         if state.get("up_spec"):
             self.up = Compressor(state["up_spec"], layout=self.layout)
@@ -240,30 +194,23 @@ class ClusterTrainer:
     def _save_snapshot(self) -> None:
         states: list[Any] = [None] * self.ctx.world
         dist.all_gather_object(states, self.state_dict(), group=self.ctx.control)
-        if self.ctx.rank != 0:
-            return
-        folder = self._snapshot_dir()
-        folder.mkdir(parents=True, exist_ok=True)
-        target = folder / f"round-{self.round:05d}.pt"
-        tmp = target.with_suffix(".tmp")
-        torch.save({"world": self.ctx.world, "ranks": states}, tmp)
-        os.replace(tmp, target)
-        for old in self._snapshot_rounds()[:-SNAPSHOTS_KEPT]:
-            (folder / f"round-{old:05d}.pt").unlink(missing_ok=True)
+        if self.ctx.rank == 0:
+            self.snapshots.save(self.round, world=self.ctx.world, ranks=states)
 
     def _restore_before(self, server_round: int, train_cfg: TrainConfig) -> None:
         """Make the in-memory state the one this cluster had just before `server_round`.
 
-        In-memory state from an earlier round is current; otherwise (a fresh process, or a round the
-        server sends again after a resume) the newest snapshot before `server_round` is, or the initial
-        state if there is none.
+        In-memory state from an earlier round is current; otherwise (a fresh process, or a round trained
+        but never released, e.g. the trainer died before replying) the newest snapshot before
+        `server_round` is, or the initial state if there is none. Rounds already released never get
+        here: the serving loop answers them from the reply cache.
         """
         if self.state_valid and self.round is not None and self.round < server_round:
             return
         self._fresh_state(train_cfg)
-        earlier = [r for r in self._snapshot_rounds() if r < server_round]
-        if earlier:
-            saved = torch.load(self._snapshot_dir() / f"round-{earlier[-1]:05d}.pt", weights_only=True)
+        newest = self.snapshots.newest_before(server_round)
+        if newest is not None:
+            saved = self.snapshots.load(newest)
             if saved["world"] != self.ctx.world:
                 raise RequestError(
                     f"cluster {self.ctx.cluster_id} saved its state with {saved['world']} workers but runs "
@@ -320,13 +267,17 @@ class ClusterTrainer:
         blob = self.up.encode(self.layout.flatten(update), seed=seed)
         return {"blob": np.frombuffer(blob, dtype=np.uint8).copy()}
 
-    def train_round(self, config: dict[str, Any], payload: Arrays) -> tuple[Arrays, dict[str, Any]]:
-        """Train `local-steps` from the global adapter; return (update, metrics). Same call on every rank."""
+    def train_round(self, config: dict[str, Any], payload: Arrays, admission: Admission) -> tuple[Arrays, dict[str, Any]]:
+        """Train `local-steps` from the global adapter; return (update, metrics). Same call on every rank.
+
+        `admission` is the privacy gate's verdict (rank 0 decided it before the round reached the ranks):
+        the mechanism to run, never the server's raw request.
+        """
         server_round = int(config["server-round"])
         error = None
         try:
             train_cfg = TrainConfig.from_flat(config)
-            self.setup(config)
+            self.setup(config, admission)
             self._restore_before(server_round, train_cfg)
             for group in self.optimizer.param_groups:
                 group["lr"], group["weight_decay"] = train_cfg.lr, train_cfg.weight_decay
@@ -344,16 +295,18 @@ class ClusterTrainer:
             return scheduled_lr(train_cfg.lr, progress=(done_before + i) / total_steps,
                                 schedule=train_cfg.lr_schedule, min_ratio=train_cfg.lr_min_ratio)
 
-        if self.privacy.mode == "sample" and (refusal := self._budget_refusal(train_cfg)) is not None:
-            return {}, refusal
+        if admission.mode != "off":
+            # Every release draws fresh noise from the OS: replaying a round, or resuming, never repeats
+            # (or lets anyone predict) a noise vector. Runs under DP are therefore not bit-reproducible.
+            torch.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         started = time.monotonic()
-        if self.privacy.mode == "sample":
+        if self.mode == "sample":
             from nebula_fl.privacy.sample_dp import train_private_steps
 
+            self.optimizer.noise_multiplier = admission.noise_multiplier
+            self.optimizer.max_grad_norm = admission.max_grad_norm
             losses = train_private_steps(self.private, self.batches, steps=train_cfg.local_steps,
                                          device=self.ctx.device, lr_at=lr_at)
-            self.ledger.record(noise_multiplier=self.dp_sigma, sample_rate=self.dp_sample_rate,
-                               steps=train_cfg.local_steps)
         else:
             losses = train_steps(
                 self.model, self.optimizer, self.data, self.schedule,
@@ -366,8 +319,8 @@ class ClusterTrainer:
         update = {k: (after[k] - np.asarray(global_arrays[k], dtype=np.float32)).astype(np.float32) for k in after}
 
         privacy_metrics: dict[str, Any] = {}
-        if self.privacy.mode == "client" and self.ctx.rank == 0:
-            update, privacy_metrics = self._privatize_update(update, config, server_round)
+        if admission.mode == "client" and self.ctx.rank == 0:
+            update, privacy_metrics = _privatize_update(update, admission)
         stats = torch.tensor([float(np.nanmean(losses)), _checksum(after)], dtype=torch.float64)
         gathered = [torch.zeros_like(stats) for _ in range(self.ctx.world)]
         dist.all_gather(gathered, stats, group=self.ctx.control)
@@ -403,46 +356,20 @@ class ClusterTrainer:
         if self.up is not None and self.ctx.rank == 0:
             metrics["codec-up"] = self.up.describe()["spec"]
             metrics["update-bytes"] = int(out["blob"].size) if "blob" in out else 0
-        if self.ledger is not None:
-            metrics.update(self._ledger_metrics())
         metrics.update(privacy_metrics)
         return out, metrics
 
-    # -- privacy -----------------------------------------------------------------------------------
-    def _ledger_metrics(self) -> dict[str, Any]:
-        entry = self.ledger.metrics_entry(max_grad_norm=self.privacy.max_grad_norm)
-        entry.pop("accountant", None)  # a string: sent as a note
-        return {k.replace("_", "-"): v for k, v in entry.items()}
 
-    def _budget_refusal(self, train_cfg: TrainConfig) -> dict[str, Any] | None:
-        """The reply of a cluster that will not train this round because its budget would be exceeded."""
-        if self.privacy.max_epsilon is None:
-            return None
-        from nebula_fl.privacy.budget import decide_round
+def _privatize_update(update: Arrays, admission: Admission) -> tuple[Arrays, dict[str, Any]]:
+    """Client-level DP: clip the update to C and add N(0, (σ C)²) per entry, σ = this release's noise multiplier."""
+    from nebula_fl.privacy.client_dp import add_gaussian, clip_update
 
-        decision = decide_round(ledger=self.ledger, max_epsilon=self.privacy.max_epsilon,
-                                noise_multiplier=self.dp_sigma, sample_rate=self.dp_sample_rate,
-                                steps=train_cfg.local_steps)
-        if decision.allowed:
-            return None
-        print(f"trainer {self.ctx.cluster_id}: refuses the round: {decision.reason}", flush=True)
-        return {"cluster-id": self.ctx.cluster_id, "num-examples": len(self.ctx.shard), "privacy-refused": 1,
-                "privacy-reason": decision.reason, "epsilon-if-trained": decision.epsilon_after,
-                **self._ledger_metrics()}
-
-    def _privatize_update(self, update: Arrays, config: dict[str, Any], server_round: int) -> tuple[Arrays, dict]:
-        """Client-level DP: clip the update to C and add this cluster's share of N(0, (sigma C)^2)."""
-        from nebula_fl.privacy.client_dp import add_gaussian, clip_update, noise_share_std
-
-        clip = self.privacy.max_grad_norm
-        clipped, norm = clip_update(update, max_norm=clip)
-        sigma = float(config["privacy-sigma"])
-        shares = int(config.get("privacy-noise-shares", 1))
-        std = noise_share_std(noise_multiplier=sigma, max_norm=clip, shares=shares)
-        rng = np.random.default_rng([self._local_seed(), self.ctx.cluster_id, server_round])
-        noisy = add_gaussian(clipped, std=std, rng=rng)
-        return noisy, {"update-norm-before-clip": norm, "clipped": int(norm > clip), "noise-std": std,
-                       "noise-multiplier": sigma, "max-grad-norm": clip}
+    clip = admission.max_grad_norm
+    clipped, norm = clip_update(update, max_norm=clip)
+    std = admission.noise_multiplier * clip
+    rng = np.random.default_rng(secrets.randbits(128))  # fresh OS randomness for every release
+    noisy = add_gaussian(clipped, std=std, rng=rng)
+    return noisy, {"update-norm-before-clip": norm, "clipped": int(norm > clip), "noise-std": std}
 
 
 def _checksum(arrays: Arrays) -> float:

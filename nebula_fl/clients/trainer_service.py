@@ -3,27 +3,45 @@
 Started once per cluster beside its SuperNode (``nebula-fl trainer ...``); it outlives every
 per-message ``flwr-clientapp`` process, so model weights, tokenised data and worker processes are
 loaded once per run, never per round. The parent process only supervises: if any rank dies it stops
-the others and exits non-zero; on SIGTERM/SIGINT it stops them all and exits.
+the others and exits non-zero; on SIGTERM/SIGINT it stops them all and exits; if the parent itself
+is killed, the kernel kills the ranks (parent-death signal).
+
+Rank 0 is the cluster's boundary. Connections are handled on threads with I/O timeouts (a stalled
+client holds nothing); `hello` is answered at once, even mid-round; `train` requests queue for the
+ranks. Before a round reaches them, rank 0 answers a round already released from the reply cache,
+refuses to train the past again, and asks the privacy gate (the operator's policy and the
+cluster's own ledger) whether, and with which mechanism, the round may run. After training it
+records the release in the ledger and caches the reply before sending it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from multiprocessing.connection import Listener
+from multiprocessing import AuthenticationError
 from pathlib import Path
 from typing import Any
 
-from nebula_fl.clients.protocol import listen, pack, unpack
+from nebula_fl.clients.protocol import TrainerListener, pack, socket_in_use, unpack
+from nebula_fl.clients.reply_cache import FEDERATION_ID, ReplyCache
 from nebula_fl.data.datasets import TextDataset
 from nebula_fl.errors import NebulaError
+from nebula_fl.privacy.cluster_ledger import LEDGER_FILE, ClusterLedger
+from nebula_fl.privacy.policy import POLICY_FILE, PrivacyPolicy
 
 CONTROL_TIMEOUT = timedelta(days=30)  # ranks >= 1 idle in a broadcast between rounds; rounds can be far apart
+MAX_FRAME = 1 << 31
+LOCK_FILE = "trainer.lock"
+# Metrics computed from the private data and not covered by the DP guarantee: never sent under DP.
+DATA_DEPENDENT = ("train-loss", "update-norm-before-clip", "clipped", "rank-divergence")
 
 
 @dataclass(kw_only=True)
@@ -36,6 +54,7 @@ class TrainerOptions:
     workers: int = 1
     device: str = "cpu"
     threads: int = 1
+    policy: PrivacyPolicy = field(default_factory=PrivacyPolicy)
 
 
 def _device_for(rank: int, device: str):
@@ -46,8 +65,15 @@ def _device_for(rank: int, device: str):
     return torch.device("cpu")
 
 
-def _worker_main(rank: int, opts: TrainerOptions, init_file: str) -> None:
+def _log(opts: TrainerOptions, text: str, *, error: bool = False) -> None:
+    print(f"trainer {opts.cluster_id}: {text}", file=sys.stderr if error else sys.stdout, flush=True)
+
+
+def _worker_main(rank: int, opts: TrainerOptions, init_file: str, parent: int) -> None:
     """Entry point of one rank (a spawned process)."""
+    from nebula_fl.lifetime import die_with_parent
+
+    die_with_parent(signal.SIGKILL, expected_parent=parent)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
     import torch.distributed as dist
@@ -68,69 +94,156 @@ def _worker_main(rank: int, opts: TrainerOptions, init_file: str) -> None:
         )
     )
     if rank == 0:
-        _serve(listen(opts.socket_path), trainer, opts)
+        Boundary(opts, trainer).serve(TrainerListener(opts.socket_path))
     else:
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=control)
-            header, arrays = box[0]
+            config, arrays, admission = box[0]
             try:
-                trainer.train_round(header, arrays)
+                trainer.train_round(config, arrays, admission)
             except RequestError:
                 pass
 
 
-def _serve(listener: Listener, trainer, opts: TrainerOptions) -> None:
-    import torch.distributed as dist
+class Boundary:
+    """Rank 0: the only way into the cluster, and the only way anything leaves it."""
 
-    from nebula_fl.clients.trainer import RequestError
+    def __init__(self, opts: TrainerOptions, trainer) -> None:
+        from nebula_fl.clients.privacy_gate import PrivacyGate
 
-    while True:
+        self.opts, self.trainer = opts, trainer
+        ledger = ClusterLedger(path=opts.state_dir / LEDGER_FILE, accountant=opts.policy.accountant)
+        self.gate = PrivacyGate(policy=opts.policy, ledger=ledger, num_examples=len(opts.shard))
+        self.cache = ReplyCache(root=opts.state_dir / "replies")
+        self.jobs: queue.Queue = queue.Queue()
+
+    # -- connections (threads) -------------------------------------------------------------------
+    def serve(self, listener: TrainerListener) -> None:
+        threading.Thread(target=self._accept_loop, args=(listener,), daemon=True, name="accept").start()
+        while True:
+            conn, header = self.jobs.get()
+            with conn:
+                frame = self._train(header)
+                try:
+                    conn.send_bytes(frame)
+                except OSError as err:
+                    _log(self.opts, f"could not send the reply (the ClientApp went away: {err}); it stays cached",
+                         error=True)
+
+    def _accept_loop(self, listener: TrainerListener) -> None:
+        while True:
+            try:
+                raw = listener.accept_raw()
+            except OSError as err:
+                _log(self.opts, f"accept failed: {err}", error=True)
+                time.sleep(0.1)
+                continue
+            threading.Thread(target=self._handle, args=(listener, raw), daemon=True, name="connection").start()
+
+    def _handle(self, listener: TrainerListener, raw) -> None:
         try:
-            conn = listener.accept()
-        except Exception as err:  # a client that fails the HMAC handshake, or hangs up mid-way
-            print(f"trainer {opts.cluster_id}: refused a connection: {err}", file=sys.stderr, flush=True)
-            continue
+            conn = listener.handshake(raw)
+        except (AuthenticationError, OSError, EOFError) as err:  # a wrong key, or a client that stalls or hangs up
+            _log(self.opts, f"refused a connection: {err or type(err).__name__}", error=True)
+            raw.close()
+            return
+        try:
+            header, arrays = unpack(conn.recv_bytes(MAX_FRAME))
+        except (EOFError, OSError, ValueError) as err:
+            _log(self.opts, f"unreadable request: {err or type(err).__name__}", error=True)
+            conn.close()
+            return
+        op = header.get("op")
+        if op == "train":
+            self.jobs.put((conn, {**header, "arrays": arrays}))  # answered by the ranks' thread, in order
+            return
         with conn:
             try:
-                header, arrays = unpack(conn.recv_bytes())
-            except (EOFError, OSError, ValueError) as err:
-                print(f"trainer {opts.cluster_id}: unreadable request: {err}", file=sys.stderr, flush=True)
-                continue
-            op = header.get("op")
-            if op == "hello":
-                conn.send_bytes(pack({"ok": True, **_describe(opts)}))
-            elif op == "train":
-                config = header.get("config", {})
-                dist.broadcast_object_list([(config, arrays)], src=0, group=trainer.ctx.control)
-                try:
-                    update, metrics = trainer.train_round(config, arrays)
-                except RequestError as err:
-                    print(f"trainer {opts.cluster_id}: refused round: {err}", file=sys.stderr, flush=True)
-                    conn.send_bytes(pack({"ok": False, "error": str(err)}))
-                    continue
-                if metrics.get("privacy-refused"):  # the cluster declined the round: its budget is spent
-                    done = f"declined: {metrics['privacy-reason']}"
+                if op == "hello":
+                    conn.send_bytes(pack({"ok": True, **self.describe()}))
                 else:
-                    done = f"loss {metrics['train-loss']:.4f}, {metrics['seconds']:.1f} s"
-                print(f"trainer {opts.cluster_id}: round {config.get('server-round')} {done}", flush=True)
-                conn.send_bytes(pack({"ok": True, "metrics": metrics}, update))
-            else:
-                conn.send_bytes(pack({"ok": False, "error": f"unknown op {op!r}"}))
+                    conn.send_bytes(pack({"ok": False, "error": f"unknown op {op!r}"}))
+            except OSError:
+                pass
+
+    def describe(self) -> dict[str, Any]:
+        opts = self.opts
+        return {"cluster_id": opts.cluster_id, "num_examples": len(opts.shard), "workers": opts.workers,
+                "device": opts.device, "label_counts": opts.shard.label_counts(),
+                "privacy_policy": opts.policy.to_dict()}
+
+    # -- rounds (the ranks' thread) --------------------------------------------------------------
+    def _error(self, text: str) -> bytes:
+        _log(self.opts, f"refused round: {text}", error=True)
+        return pack({"ok": False, "error": text})
+
+    def _train(self, header: dict[str, Any]) -> bytes:
+        import torch.distributed as dist
+
+        from nebula_fl.clients.trainer import RequestError
+
+        config, arrays = header.get("config"), header.get("arrays", {})
+        if not isinstance(config, dict):
+            return self._error("the request has no config object")
+        fed, rnd = config.get("federation-id"), config.get("server-round")
+        if not isinstance(fed, str) or not FEDERATION_ID.fullmatch(fed):
+            return self._error(f"federation id {fed!r} is not a plain name of letters, digits, '-' and '_'")
+        if isinstance(rnd, bool) or not isinstance(rnd, int) or rnd < 1:
+            return self._error(f"server-round {rnd!r} is not a round number (an integer >= 1)")
+        cached = self.cache.get(fed, rnd)
+        if cached:
+            _log(self.opts, f"round {rnd} of federation {fed} asked again: the reply it was sent, from the cache")
+            return cached
+        if cached is not None:
+            return self._error(f"round {rnd} of federation {fed} was released already and its reply is no longer "
+                               "kept; a round is never released twice")
+        released = self.cache.released(fed)
+        if released and released[-1] > rnd:
+            return self._error(f"round {rnd} of federation {fed} is older than round {released[-1]}, which this "
+                               "cluster already released; it never trains the past again")
+        admission = self.gate.admit(config, world=self.opts.workers)
+        if not admission.allowed:
+            _log(self.opts, f"round {rnd} declined ({admission.refusal}): {admission.reason}")
+            return pack({"ok": True, "metrics": self.gate.refusal(admission, federation=fed,
+                                                                   cluster_id=self.opts.cluster_id)})
+        dist.broadcast_object_list([(config, arrays, admission)], src=0, group=self.trainer.ctx.control)
+        try:
+            update, metrics = self.trainer.train_round(config, arrays, admission)
+            self.gate.charge(federation=fed, server_round=rnd, admission=admission)
+        except (RequestError, NebulaError) as err:
+            return self._error(str(err))
+        _log(self.opts, f"round {rnd}: loss {metrics['train-loss']:.4f}, {metrics['seconds']:.1f} s, "
+                        f"rank divergence {metrics['rank-divergence']:g}")
+        if admission.mode != "off":  # only the noised update is private: figures computed from the data stay here
+            metrics = {k: v for k, v in metrics.items() if k not in DATA_DEPENDENT}
+        metrics.update(self.gate.metrics(admission, federation=fed))
+        frame = pack({"ok": True, "metrics": metrics}, update)
+        self.cache.put(fed, rnd, frame)
+        return frame
 
 
-def _describe(opts: TrainerOptions) -> dict[str, Any]:
-    return {
-        "cluster_id": opts.cluster_id,
-        "num_examples": len(opts.shard),
-        "workers": opts.workers,
-        "device": opts.device,
-        "label_counts": opts.shard.label_counts(),
-    }
+def _lock_state_dir(state_dir: Path) -> int:
+    """Hold the state folder for this trainer's life: two trainers on one ledger would corrupt it."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise NebulaError(
+            f"state folder '{state_dir}' is in use by another trainer (pid {holder}); stop it, or give this one "
+            "its own --state-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
 
 
 def run_trainer(opts: TrainerOptions) -> int:
-    """Start the ranks and supervise them until a signal or a failure; returns the exit status."""
+    """Check everything, start the ranks and supervise them until a signal or a failure; returns the exit status."""
     import multiprocessing as mp
 
     if opts.workers < 1:
@@ -142,12 +255,18 @@ def run_trainer(opts: TrainerOptions) -> int:
 
         if not torch.cuda.is_available():
             raise NebulaError("--device cuda was given but no CUDA device is visible; use --device cpu")
-    opts.state_dir.mkdir(parents=True, exist_ok=True)
+    opts.policy.check_for(len(opts.shard))
+    lock = _lock_state_dir(opts.state_dir)
+    if socket_in_use(opts.socket_path):
+        raise NebulaError(f"another trainer already serves '{opts.socket_path}'; stop it first, or pass another --socket")
+    ledger = ClusterLedger(path=opts.state_dir / LEDGER_FILE, accountant=opts.policy.accountant)  # readable, or exit 2
+    opts.policy.save(opts.state_dir / POLICY_FILE)
     init_file = opts.state_dir / f".ddp-init-{os.getpid()}"
     init_file.unlink(missing_ok=True)
     ctx = mp.get_context("spawn")
     procs = [
-        ctx.Process(target=_worker_main, args=(rank, opts, str(init_file)), name=f"nebula-trainer-{opts.cluster_id}-{rank}")
+        ctx.Process(target=_worker_main, args=(rank, opts, str(init_file), os.getpid()),
+                    name=f"nebula-trainer-{opts.cluster_id}-{rank}")
         for rank in range(opts.workers)
     ]
     stopping = {"signal": None}
@@ -159,9 +278,13 @@ def run_trainer(opts: TrainerOptions) -> int:
     signal.signal(signal.SIGINT, _stop)
     for p in procs:
         p.start()
+    policy = opts.policy
+    budget = "" if policy.budget is None else f", lifetime budget ε ≤ {policy.budget:g}"
+    spent = {m: ledger.steps(mode=m) for m in ("sample", "client")}
     print(
         f"trainer {opts.cluster_id}: {opts.workers} worker(s) on {opts.device}, {len(opts.shard)} examples, "
-        f"socket {opts.socket_path}",
+        f"socket {opts.socket_path}; privacy policy: {policy.mode}{budget}; ledger {spent['sample']} sample-level "
+        f"step(s), {spent['client']} client-level release(s) so far",
         flush=True,
     )
     status = 0
@@ -189,4 +312,5 @@ def run_trainer(opts: TrainerOptions) -> int:
                 p.join()
         for path in (opts.socket_path, Path(f"{opts.socket_path}.key"), init_file):
             Path(path).unlink(missing_ok=True)
+        os.close(lock)
     return status

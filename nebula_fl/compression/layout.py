@@ -63,7 +63,7 @@ class Layout:
 
     @cached_property
     def sizes(self) -> tuple[int, ...]:
-        return tuple(int(np.prod(shape, dtype=np.int64)) for shape in self.shapes)
+        return tuple(int(np.prod(shape, dtype=object)) for shape in self.shapes)  # exact: int64 would wrap
 
     @cached_property
     def offsets(self) -> tuple[int, ...]:

@@ -4,7 +4,10 @@ One SuperLink on loopback, and per cluster a persistent trainer plus a ``flower-
 points its ClientApp at it, then ``flwr run`` of a generated app folder holding the resolved config.
 Everything lives under the run folder (``logs/``, ``.flwr/`` as FLWR_HOME, ``clusters/<i>/state``),
 is offline (no telemetry, no update check, no runtime dependency install), and is stopped — every
-process and every child — on success, failure and Ctrl-C alike.
+process and every child — on success, failure and Ctrl-C alike, and by the watchdog (watchdog.py)
+if the launcher itself is killed. A cluster's trainer, SuperNode or WAN proxy that dies mid-run is
+started again (MAX_RESTARTS times at most) while the other clusters go on; the SuperLink's death ends
+the run.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from nebula_fl.errors import NebulaError
 from nebula_fl.launcher.plan import LaunchPlan, free_port, port_free
 from nebula_fl.launcher.processes import Managed, ProcessSet
 from nebula_fl.launcher.report import print_summary, round_line
+from nebula_fl.launcher.secure import transport_for
+from nebula_fl.launcher.watchdog import Watchdog
 from nebula_fl.server.run_folder import RunFolder
 
 APP_LICENSE = "Apache-2.0: generated nebula-fl app bundle (configuration only; the code is the installed nebula-fl)\n"
@@ -77,6 +82,14 @@ def _bin(name: str) -> str:
     return str(path) if path.exists() else (shutil.which(name) or name)
 
 
+MAX_RESTARTS = 3  # per service per launch; one more death is fatal
+# Seconds a dead service waits before its 1st, 2nd, 3rd restart: a trainer is back at once; a SuperNode
+# SIGKILLed under node authentication is refused until the SuperLink's heartbeat for its key lapses
+# (2 x 30 s), so the later attempts reach past that.
+RESTART_DELAYS_S = (1.0, 15.0, 60.0)
+SERVICE_LABELS = {"trainer": "trainer", "supernode": "SuperNode", "wan": "WAN proxy"}  # restartable, per cluster
+
+
 def _fail(what: str, proc: Managed) -> NebulaError:
     tail = proc.log_tail(8).replace("\n", "\n    ")
     return NebulaError(f"{what} (log: {proc.log_path})\n    {tail}") if tail else NebulaError(f"{what} (log: {proc.log_path})")
@@ -90,14 +103,25 @@ class Federation:
         self.procs = ProcessSet()
         self.logs = self.folder.path / "logs"
         self.started = time.monotonic()
+        self.restarts: list[dict] = []  # each death of a cluster's service during the run, restarted or not
+        self.restart_due: dict[str, float] = {}  # dead service -> when it is started again
+        self.resumed_after = 0  # the round of the checkpoint a resumed run continues from
 
     def run(self) -> int:
         """Launch, follow and stop the federation; returns the process exit status."""
         plan = self.plan
         self.folder.path.mkdir(parents=True, exist_ok=True)
         stored = self.folder.read_config() if plan.resume else {}
+        if plan.rewind:
+            self._rewind()
+        # Rounds past the checkpoint (after a crash or a rewind) are run again: show them again too.
+        ckpt = self.folder.load_checkpoint() if plan.resume else None
+        self.resumed_after = ckpt[0] if ckpt else 0
         self.folder.write_config({**stored, "run_config": plan.config.to_flat(), "launcher": plan.launcher_record()})
+        # First, so that nothing started below can outlive this process, however it ends.
+        watchdog = self.procs.watchdog = Watchdog(log_path=self.logs / "watchdog.log")
         socket_dir = Path(tempfile.mkdtemp(prefix="nebula-"))
+        watchdog.remove_if_killed(socket_dir)
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         outcome = "failed"
         error: str | None = None
@@ -112,8 +136,11 @@ class Federation:
             self.console.print(f"[red]error:[/red] {err}")
         finally:
             self.procs.stop_all()
+            watchdog.release()
             signal.signal(signal.SIGTERM, previous)
             shutil.rmtree(socket_dir, ignore_errors=True)
+        earlier = self.folder.read_summary().get("restarts") or []  # those of earlier launches of this run
+        self.folder.update_summary(restarts=[*earlier, *self.restarts])
         summary = self.folder.read_summary()
         if summary.get("status") != "completed":
             if outcome == "failed" and error:  # the launcher saw the cause (a process died, a start failed)
@@ -130,22 +157,31 @@ class Federation:
             self.console.print(f"[red]error:[/red] {summary['error']}")
         return 130 if summary.get("status") == "interrupted" else 1
 
+    def _rewind(self) -> None:
+        kept, moved = self.folder.rewind_checkpoints()
+        for name in moved:
+            self.console.print(f"[yellow]moved the damaged checkpoint aside: checkpoint/{name}[/yellow]")
+        self.console.print(f"rewound to the checkpoint of round {kept}" if kept else
+                           "no intact checkpoint: the run restarts from round 1")
+
     # -- start-up --------------------------------------------------------------------------------
     def _launch(self, socket_dir: Path) -> None:
         plan, cfg = self.plan, self.plan.config
         flwr_home = self.folder.path / ".flwr"
         shutil.rmtree(flwr_home, ignore_errors=True)
         flwr_home.mkdir(parents=True)
+        self.transport = transport = transport_for(self.folder.path, secure=plan.secure, clusters=plan.clusters)
         port = plan.port or free_port()
         if not port_free(port):
             raise NebulaError(f"port {port} on 127.0.0.1 is in use; pass --port N (or --port 0 to pick a free one)")
         (flwr_home / "config.toml").write_text(tomli_w.dumps(
-            {"superlink": {"default": "local", "local": {"address": f"127.0.0.1:{port}", "insecure": True}}}
+            {"superlink": {"default": "local", "local": transport.connection(f"127.0.0.1:{port}")}}
         ))
         env = child_env(flwr_home)
         superlink = self.procs.start(
             "superlink",
-            [_bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation", "--port", str(port)],
+            [_bin("flower-superlink"), *transport.superlink_args(), "--disable-runtime-dependency-installation",
+             "--port", str(port)],
             log_path=self.logs / "superlink.log", env=env, cwd=self.folder.path,
         )
         # Trainers load torch and the model while the SuperLink and then the ServerApp start up.
@@ -159,11 +195,15 @@ class Federation:
                 "--dataset", cfg.data.dataset, "--num-clusters", str(plan.clusters), "--partition", cfg.data.partition,
                 "--seed", str(cfg.federation.seed), "--test-fraction", str(cfg.data.test_fraction),
                 "--max-examples", str(cfg.data.max_examples),
+                "--privacy-policy", str(self._write_policy(i)),
             ]
             proc = self.procs.start(f"trainer-{i}", argv, log_path=self.logs / f"trainer-{i}.log", env=env)
             trainers.append((i, sock, proc))
         self._wait(lambda: not port_free(port), superlink, "the SuperLink", timeout=60)
-        self.console.print(f"superlink listening on 127.0.0.1:{port}")
+        self.console.print(f"superlink listening on 127.0.0.1:{port}" + (" (TLS, SuperNode auth)" if transport.secure else ""))
+        for i in range(plan.clusters if transport.secure else 0):  # a SuperNode is refused until its key is registered
+            node = transport.register(i, flwr=_bin("flwr"), connection="local", env=env)
+            self.console.print(f"cluster {i}: SuperNode key registered as node {node}")
         links = self._start_wan(socket_dir, port, env) if plan.wan else [port] * plan.clusters
         flat = cfg.to_flat()
         if plan.wan:
@@ -190,11 +230,20 @@ class Federation:
             )
             self.procs.start(
                 f"supernode-{i}",
-                [_bin("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{links[i]}", "--port",
+                [_bin("flower-supernode"), *transport.supernode_args(i), "--superlink", f"127.0.0.1:{links[i]}", "--port",
                  str(free_port()), "--node-config", f'trainer="{sock}" cluster-id={i}'],
                 log_path=self.logs / f"supernode-{i}.log", env=env,
             )
         self.console.print(f"federation started: {plan.clusters} cluster(s), logs in {self.logs}")
+
+    def _write_policy(self, cluster: int) -> Path:
+        """Each cluster's own privacy policy, as its operator would write it for this run (never weaker)."""
+        from nebula_fl.privacy.policy import policy_for_run
+
+        path = self.folder.path / "clusters" / str(cluster) / "privacy-policy.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        policy_for_run(self.plan.config.privacy).save(path)
+        return path
 
     def _start_wan(self, socket_dir: Path, port: int, env: dict[str, str]) -> list[int]:
         """One emulated WAN link (a counting, shaping proxy) per cluster; returns the ports to connect to."""
@@ -236,7 +285,7 @@ class Federation:
     def _follow(self) -> str:
         total = self.plan.config.federation.num_server_rounds
         flwr_run = next(p for p in self.procs.items if p.name == "flwr-run")
-        shown = {line["round"] for line in self.folder.rounds()} if self.plan.resume else set()
+        shown = {line["round"] for line in self.folder.rounds() if line["round"] <= self.resumed_after}
         with Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} rounds"),
             TimeElapsedColumn(), console=self.console, transient=True,
@@ -251,10 +300,32 @@ class Federation:
                         progress.update(task, completed=len(shown))
                 if not flwr_run.alive():
                     break
-                if (dead := self.procs.first_dead_service()) is not None:
-                    raise _fail(f"{dead.name} exited with status {dead.popen.returncode} during the run", dead)
+                now = time.monotonic()
+                for dead in self.procs.dead_services():
+                    delay = RESTART_DELAYS_S[min(dead.restarts, len(RESTART_DELAYS_S) - 1)]
+                    if now >= self.restart_due.setdefault(dead.name, now + delay):
+                        del self.restart_due[dead.name]
+                        self._restart(dead, progress.console)
                 time.sleep(0.5)
         status = self.folder.read_summary().get("status")
         if status != "completed" and flwr_run.popen.returncode not in (0, None):
             raise _fail(f"flwr run exited with status {flwr_run.popen.returncode}", flwr_run)
         return status or "failed"
+
+    def _restart(self, dead: Managed, console: Console) -> None:
+        """Start a cluster's dead trainer, SuperNode or WAN proxy again; the SuperLink's death, or a service
+        that died more than MAX_RESTARTS times, ends the run. The other clusters go on meanwhile: the
+        ServerApp gets an error reply for this one and aggregates the rest."""
+        kind, _, index = dead.name.rpartition("-")
+        code = dead.popen.returncode
+        if kind not in SERVICE_LABELS or not index.isdigit():
+            raise _fail(f"{dead.name} exited with status {code} during the run", dead)
+        record = {"service": kind, "cluster": int(index), "exit_code": code,
+                  "seconds_into_run": round(time.monotonic() - self.started, 1), "restarted": False}
+        self.restarts.append(record)
+        what = f"cluster {index}: {SERVICE_LABELS[kind]} exited with status {code}"
+        if dead.restarts >= MAX_RESTARTS:
+            raise _fail(f"{what} after {MAX_RESTARTS} restarts; stopping the run", dead)
+        again = self.procs.restart(dead)
+        record["restarted"] = True
+        console.print(f"[yellow]{what}; restarted ({again.restarts} of {MAX_RESTARTS})[/yellow]")

@@ -42,6 +42,8 @@ class LaunchPlan:
     port: int
     resume: bool
     wan: list[str] | None = None  # one emulated-link profile per cluster, or no emulated WAN
+    secure: bool = False  # TLS and SuperNode authentication (launcher/secure.py)
+    rewind: bool = False  # move damaged newest checkpoints aside before resuming (RunFolder.rewind_checkpoints)
 
     @property
     def threads(self) -> list[int]:
@@ -52,12 +54,18 @@ class LaunchPlan:
 
     def launcher_record(self) -> dict[str, Any]:
         return {"clusters": self.clusters, "workers": self.workers, "devices": self.devices, "port": self.port,
-                "wan": self.wan}
+                "wan": self.wan, "secure": self.secure}
+
+
+MAX_RUN_CONFIG_CHARS = 65_536  # Flower's parser slows down quadratically on long input
 
 
 def parse_run_config(text: str | None) -> dict[str, Any]:
     if not text:
         return {}
+    if len(text) > MAX_RUN_CONFIG_CHARS:
+        raise NebulaError(f"--run-config is {len(text)} characters long; keep it under {MAX_RUN_CONFIG_CHARS} "
+                          "(put long values such as link profiles in the app's pyproject.toml instead)")
     try:
         overrides = parse_config_args([text])
     except Exception as err:  # flwr raises click's exception type with its own sentence
@@ -107,7 +115,10 @@ def _device(text: str) -> str:
 
 
 def port_free(port: int) -> bool:
+    """Whether the SuperLink could listen on `port`: it binds with SO_REUSEADDR (as uvicorn does), so a
+    connection of an earlier run lingering in TIME_WAIT does not make the port busy; a listener does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -124,6 +135,8 @@ def free_port() -> int:
 def make_plan(args: Any) -> LaunchPlan:
     if args.resume:
         return _resume_plan(args)
+    if getattr(args, "rewind", False):
+        raise NebulaError("--rewind only goes with --resume DIR: it rewinds that run to its newest intact checkpoint")
     clusters = 2 if args.clusters is None else args.clusters
     preset = args.preset or "demo"
     if clusters < 1:
@@ -132,27 +145,30 @@ def make_plan(args: Any) -> LaunchPlan:
     for attr, key in FLAG_KEYS.items():
         if getattr(args, attr) is not None:
             flat[key] = getattr(args, attr)
-    flat["min-clusters"] = clusters
+    # wait for every cluster before round 1; go on with at least half of them when some fail later
+    flat["wait-for-clusters"] = clusters
+    flat["min-clusters"] = (clusters + 1) // 2
     flat.update(parse_run_config(args.run_config))
     out = Path(args.out).expanduser().resolve() if args.out else _default_out(preset)
     flat["out-dir"] = str(out)
     flat["resume"] = False
     config = RunConfig().replace(flat)
     folder = RunFolder(out)
-    if (out / "config.json").exists() or folder.load_checkpoint():
+    if (out / "config.json").exists() or folder.has_checkpoint():
         raise NebulaError(f"run folder '{out}' already holds a run; pass a new --out, or --resume {out}")
     workers = _per_cluster(args.workers_per_cluster or "1", clusters, "--workers-per-cluster", _positive_int)
     devices = _per_cluster(args.device or "cpu", clusters, "--device", _device)
     plan = LaunchPlan(config=config, out=out, clusters=clusters, workers=workers, devices=devices,
-                      port=args.port, resume=False, wan=_wan_profiles(args.wan, clusters))
+                      port=args.port, resume=False, wan=_wan_profiles(args.wan, clusters),
+                      secure=bool(getattr(args, "secure", None)))
     _check(plan)
     return plan
 
 
 def _resume_plan(args: Any) -> LaunchPlan:
     given = [name for name in ("clusters", "local_steps", "outer_optimizer", "partition", "seed", "out", "run_config",
-                               "workers_per_cluster", "device", "preset", "codec", "wan")
-             if getattr(args, name) is not None]
+                               "workers_per_cluster", "device", "preset", "codec", "wan", "secure")
+             if getattr(args, name, None) is not None]
     if given:
         raise NebulaError(
             f"--resume continues a run with its own config; drop --{given[0].replace('_', '-')} "
@@ -167,8 +183,12 @@ def _resume_plan(args: Any) -> LaunchPlan:
     if args.rounds is not None:
         flat["num-server-rounds"] = args.rounds
     config = RunConfig.from_flat(flat)
-    ckpt = folder.load_checkpoint()
-    done = ckpt[0] if ckpt else 0
+    rewind = bool(getattr(args, "rewind", False))
+    if rewind:  # the damaged ones are moved aside by Federation.run, once every check here has passed
+        done = folder.rewind_plan()[0] or 0
+    else:
+        ckpt = folder.load_checkpoint()  # a damaged checkpoint stops the resume here, with what to do
+        done = ckpt[0] if ckpt else 0
     if done >= config.federation.num_server_rounds:
         raise NebulaError(
             f"run '{folder.path}' already completed {done} of {config.federation.num_server_rounds} rounds; "
@@ -177,7 +197,8 @@ def _resume_plan(args: Any) -> LaunchPlan:
     launcher = stored["launcher"]
     plan = LaunchPlan(config=config, out=folder.path, clusters=int(launcher["clusters"]),
                       workers=list(launcher["workers"]), devices=list(launcher["devices"]),
-                      port=args.port, resume=True, wan=launcher.get("wan"))
+                      port=args.port, resume=True, wan=launcher.get("wan"), secure=bool(launcher.get("secure")),
+                      rewind=rewind)
     _check(plan)
     return plan
 

@@ -4,6 +4,10 @@ Flower's SuperLink starts its SuperExec in a new session, and SuperExec starts t
 SuperNode's SuperExec starts a ClientApp per message. Killing a process group therefore misses some
 of them, so stopping walks each process tree (psutil), signals every member, waits, and repeats for
 anything spawned meanwhile, then SIGKILLs what is left.
+
+If the launcher itself dies without stopping them (SIGKILL, OOM), two things still do: every process
+started here gets SIGTERM from the kernel when the launcher dies (PR_SET_PDEATHSIG), and the
+launcher's watchdog (watchdog.py), told each pid, stops every descendant it has seen.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from pathlib import Path
 
 import psutil
 
+from nebula_fl.launcher.watchdog import Watchdog
+from nebula_fl.lifetime import preexec_die_with_parent
+
 
 @dataclass
 class Managed:
@@ -26,6 +33,10 @@ class Managed:
     log_path: Path
     expect_exit: bool = False  # a command that ends by itself (flwr run), not a service
     known: dict[int, float] = field(default_factory=dict)  # pid -> create_time of every descendant seen
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
+    restarts: int = 0  # how many times this service was started again after dying, in this launch
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -60,22 +71,41 @@ class ProcessSet:
     ServerApp records an interruption while the clusters are still there, rather than a failed round.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, watchdog: Watchdog | None = None) -> None:
         self.items: list[Managed] = []
+        self.watchdog = watchdog  # told every pid started, to stop them all if the launcher dies
 
     def start(
         self, name: str, argv: Sequence[str], *, log_path: Path, env: dict[str, str], cwd: Path | None = None,
         expect_exit: bool = False,
     ) -> Managed:
+        popen = self._spawn(list(argv), log_path=log_path, env=env, cwd=cwd)
+        managed = Managed(name, popen, log_path, expect_exit, argv=list(argv), env=env, cwd=cwd)
+        self.items.append(managed)
+        return managed
+
+    def _spawn(self, argv: list[str], *, log_path: Path, env: dict[str, str], cwd: Path | None) -> subprocess.Popen:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("ab") as log:
             popen = subprocess.Popen(
-                list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, cwd=cwd, start_new_session=True,
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
+                start_new_session=True, preexec_fn=preexec_die_with_parent(signal.SIGTERM),
             )
-        managed = Managed(name, popen, log_path, expect_exit)
-        self.items.append(managed)
-        return managed
+        if self.watchdog is not None:
+            self.watchdog.watch(popen.pid)
+        return popen
+
+    def restart(self, item: Managed, *, grace: float = 3.0) -> Managed:
+        """Start a dead service again with the same argv, its log appended, in the same place in the stop order.
+
+        Whatever the dead one left behind (its children, e.g. a SuperNode's SuperExec) is stopped first.
+        """
+        self._stop(item, grace=grace)
+        popen = self._spawn(item.argv, log_path=item.log_path, env=item.env, cwd=item.cwd)
+        again = Managed(item.name, popen, item.log_path, item.expect_exit, argv=item.argv, env=item.env, cwd=item.cwd,
+                        restarts=item.restarts + 1)
+        self.items[self.items.index(item)] = again
+        return again
 
     def remember_descendants(self) -> None:
         """Record every live descendant, so a child orphaned later is still found and stopped."""
@@ -88,6 +118,9 @@ class ProcessSet:
 
     def first_dead_service(self) -> Managed | None:
         return next((m for m in self.items if not m.expect_exit and not m.alive()), None)
+
+    def dead_services(self) -> list[Managed]:
+        return [m for m in self.items if not m.expect_exit and not m.alive()]
 
     def all_pids(self) -> dict[int, float]:
         self.remember_descendants()

@@ -30,6 +30,8 @@ def round_line(line: dict[str, Any], total: int) -> str:
         for cid, c in sorted(clusters.items()) if isinstance(c.get("train_loss"), int | float)
     )
     rejected = f" | dropped: {', '.join(sorted(line['rejected']))}" if line.get("rejected") else ""
+    if line.get("skipped"):
+        rejected += " | SKIPPED: too few usable updates, the global adapter stays"
     return (
         f"round {line['round']}/{total}: accuracy {_fmt(line.get('accuracy'))}, macro-F1 {_fmt(line.get('macro_f1'))}, "
         f"up {human_bytes(line.get('bytes_up'))}, down {human_bytes(line.get('bytes_down'))}, "

@@ -135,11 +135,17 @@ def decide_round(
     *, ledger: PrivacyLedger, max_epsilon: float, noise_multiplier: float, sample_rate: float, steps: int
 ) -> BudgetDecision:
     """Allow the round's ``steps`` only if ε after them stays ≤ ``max_epsilon``."""
-    budget = check_budget(max_epsilon)
-    now = ledger.epsilon()
     after = ledger.epsilon_after(noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps)
-    allowed = after <= budget
+    return verdict(epsilon_now=ledger.epsilon(), epsilon_after=after, max_epsilon=max_epsilon, steps=steps)
+
+
+def verdict(*, epsilon_now: float, epsilon_after: float, max_epsilon: float, steps: int, what: str = "cluster budget",
+            delta: float | None = None) -> BudgetDecision:
+    """The decision for a round that takes ε from `epsilon_now` to `epsilon_after` against a budget."""
+    budget = check_budget(max_epsilon)
+    allowed = epsilon_after <= budget
     verb = "is kept" if allowed else "would be exceeded"
-    reason = (f"cluster budget ε ≤ {budget:g} {verb}: {_show(now, budget)} now, "
-              f"{_show(after, budget)} after {steps} more steps")
-    return BudgetDecision(allowed=allowed, epsilon_now=now, epsilon_after=after, reason=reason)
+    at = "" if delta is None else f" at δ = {delta:g}"
+    reason = (f"{what} ε ≤ {budget:g}{at} {verb}: {_show(epsilon_now, budget)} now, "
+              f"{_show(epsilon_after, budget)} after {steps} more steps")
+    return BudgetDecision(allowed=allowed, epsilon_now=epsilon_now, epsilon_after=epsilon_after, reason=reason)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 import time
 import uuid
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ app = ServerApp()
 
 def build_strategy(cfg: RunConfig, *, initial: dict[str, np.ndarray] | None = None) -> NebulaStrategy:
     """The outer-optimizer strategy, wrapped by compression (which also packs every message into one blob),
-    wrapped by differential privacy when it is on."""
+    wrapped by privacy (refusals and stopped clusters; the accountant under client-level DP)."""
     inner = make_strategy(cfg.outer, clusters_per_round=cfg.federation.clusters_per_round, seed=cfg.federation.seed)
     profiles = [parse_profile(p.strip()) for p in cfg.comm.link_profiles.split(",") if p.strip()]
     # one profile is every cluster's link; several are clusters 0, 1, ... in order
@@ -55,10 +55,12 @@ def build_strategy(cfg: RunConfig, *, initial: dict[str, np.ndarray] | None = No
         bandwidth=BandwidthTracker(configured={k: p.up_bps for k, p in keyed.items()}),
         initial=initial,
     )
-    if cfg.privacy.mode == "off":
-        return compressed
-    return PrivacyWrapper(compressed, cfg=cfg.privacy, num_rounds=cfg.federation.num_server_rounds,
-                          clusters=cfg.federation.min_clusters)
+    # always present: with privacy off too, a cluster's own policy may refuse rounds, and the wrapper stops
+    # sampling a cluster that refuses
+    strategy = PrivacyWrapper(compressed, cfg=cfg.privacy, num_rounds=cfg.federation.num_server_rounds,
+                              clusters=cfg.federation.min_clusters)
+    strategy.set_min_updates(cfg.federation.min_clusters)
+    return strategy
 
 
 class Interrupted(BaseException):
@@ -71,10 +73,16 @@ def main(grid: Grid, context: Context) -> None:
     ServerRun(cfg).run(grid)
 
 
-def wait_for_clusters(grid: Grid, *, minimum: int, timeout: float) -> list[int]:
+def wait_for_clusters(grid: Grid, *, minimum: int, wanted: int, timeout: float) -> list[int]:
+    """Wait up to `timeout` for `wanted` clusters; then go on with `minimum` or more, else fail."""
+    wanted = max(minimum, wanted)
     deadline = time.monotonic() + timeout
-    while len(nodes := list(grid.get_node_ids())) < minimum:
+    while len(nodes := list(grid.get_node_ids())) < wanted:
         if time.monotonic() > deadline:
+            if len(nodes) >= minimum:
+                log(WARNING, "%d of the %d clusters waited for connected within %.0f s; starting with them",
+                    len(nodes), wanted, timeout)
+                return nodes
             raise NebulaError(
                 f"only {len(nodes)} of {minimum} clusters connected within {timeout:.0f} s; start more "
                 "SuperNodes (each with its trainer) or lower min-clusters"
@@ -169,7 +177,8 @@ class ServerRun:
         if state is not None:
             self.strategy.load_state_dict(state["strategy"])
         arrays = adapter if adapter is not None else initial
-        wait_for_clusters(grid, minimum=cfg.federation.min_clusters, timeout=cfg.federation.connect_timeout)
+        wait_for_clusters(grid, minimum=cfg.federation.min_clusters, wanted=cfg.federation.wait_for_clusters,
+                          timeout=cfg.federation.connect_timeout)
         train_config = ConfigRecord(
             {**cfg.train.to_flat(), **cfg.model.to_flat(), **cfg.privacy.to_flat(), "labels": list(evaluator.labels),
              "federation-id": self.federation_id, "seed": cfg.federation.seed,
@@ -210,9 +219,9 @@ class ServerRun:
         clusters: dict[str, dict[str, Any]] = {}
         rejected: dict[str, str] = {}
         for node_id, traffic in outcome.nodes.items():
-            cid = str(traffic.metrics.get("cluster-id", f"node-{node_id}"))
-            if isinstance(traffic.metrics.get("cluster-id"), float):
-                cid = str(int(traffic.metrics["cluster-id"]))
+            known = traffic.metrics.get("cluster-id")
+            cid = str(int(known)) if isinstance(known, int | float) else (
+                self.strategy.directory.get(node_id) or f"node-{node_id}")
             clusters[cid] = {"node_id": node_id, "bytes_up": traffic.bytes_up, "bytes_down": traffic.bytes_down,
                              **{k.replace("-", "_"): v for k, v in traffic.metrics.items() if k != "cluster-id"}}
             reason = outcome.rejected.get(node_id) or traffic.error
@@ -246,6 +255,7 @@ class ServerRun:
             "elapsed_seconds": elapsed,
             "clusters": clusters,
             "rejected": rejected,
+            "skipped": outcome.skipped,
             **outcome.extras,
         }
         self.folder.append_round(line)
@@ -300,8 +310,14 @@ class ServerRun:
             wall_seconds=self.wall_before + time.monotonic() - self.started,
             federation_id=getattr(self, "federation_id", None),
         )
-        if isinstance(getattr(self, "strategy", None), PrivacyWrapper):
-            summary = self.folder.update_summary(privacy=self.strategy.report())
+        summary = self.folder.update_summary(
+            skipped_rounds=[r["round"] for r in rounds if r.get("skipped")],
+            drops=[{"round": r["round"], "cluster": cid, "reason": why} for r in rounds
+                   for cid, why in (r.get("rejected") or {}).items()],
+        )
+        strategy = getattr(self, "strategy", None)
+        if isinstance(strategy, PrivacyWrapper) and (self.cfg.privacy.mode != "off" or strategy.exhausted):
+            summary = self.folder.update_summary(privacy=strategy.report())
         log(INFO, "run %s: %s after %d round(s)", self.folder.path, summary["status"], done)
 
 

@@ -4,7 +4,8 @@ Every file is written whole or not at all (temp file + rename). ``summary.json``
 from the first moment and ``completed`` only after the last round's checkpoint and the final
 adapter are on disk, so a run that did not finish never claims to have. A round is complete once its
 checkpoint is; metrics lines of rounds past the last checkpoint are dropped on resume, so no round is
-counted twice.
+counted twice. The two newest checkpoints are kept, each sealed by a manifest (server/checkpoint.py),
+so a damaged newest one is reported, never loaded, and the run can rewind to the one before.
 """
 
 from __future__ import annotations
@@ -17,10 +18,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from nebula_fl.errors import NebulaError
-from nebula_fl.server.checkpoint import join_state, split_state
+from nebula_fl.server.checkpoint import (
+    MANIFEST,
+    CheckpointDamage,
+    CheckpointError,
+    folder_name,
+    fsync_dir,
+    parse_pointer,
+    pointer_text,
+    read_checkpoint,
+    round_of,
+    sha256,
+    write_checkpoint,
+    write_durably,
+)
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -28,6 +42,7 @@ SUMMARY = "summary.json"
 ADAPTER = "adapter.safetensors"
 PLOT = "accuracy_vs_bytes.png"
 CHECKPOINTS = "checkpoint"
+LATEST = "latest"
 STATUSES = ("running", "completed", "failed", "interrupted")
 
 
@@ -98,36 +113,135 @@ class RunFolder:
         os.replace(tmp, self.path / METRICS)
 
     # -- checkpoints -----------------------------------------------------------------------------
+    def checkpoint_names(self) -> list[str]:
+        """The checkpoint folders (``round-NNNNN``), oldest first; damaged ones moved aside are not among them."""
+        try:
+            found = [p.name for p in (self.path / CHECKPOINTS).iterdir() if round_of(p.name) is not None and p.is_dir()]
+        except OSError:
+            return []
+        return sorted(found, key=lambda name: round_of(name) or 0)
+
+    def has_checkpoint(self) -> bool:
+        """Whether any checkpoint is here, intact or not (a new run must not write over it)."""
+        return (self.path / CHECKPOINTS / LATEST).exists() or bool(self.checkpoint_names())
+
     def save_checkpoint(self, *, round: int, adapter: dict[str, np.ndarray], state: dict[str, Any]) -> None:
+        """Write round `round`'s checkpoint, point ``latest`` at it, then keep it and the one before it.
+
+        The new folder is complete (manifest included) before it gets its name and before anything
+        older is deleted, so a crash at any moment leaves at least one intact checkpoint.
+        """
         root = self.path / CHECKPOINTS
         root.mkdir(parents=True, exist_ok=True)
-        name = f"round-{round:05d}"
+        for stale in [*root.glob(".round-*.tmp"), *root.glob(".round-*.old")]:  # left by a crash mid-write
+            shutil.rmtree(stale, ignore_errors=True)
+        name = folder_name(round)
         tmp = root / f".{name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        skeleton, arrays = split_state(state)
-        save_file({k: np.ascontiguousarray(v) for k, v in adapter.items()}, str(tmp / ADAPTER))
-        save_file(arrays, str(tmp / "state.safetensors"))
-        write_json(tmp / "state.json", {"round": round, "state": skeleton})
-        shutil.rmtree(root / name, ignore_errors=True)
-        os.replace(tmp, root / name)
-        latest = root / ".latest.tmp"
-        latest.write_text(name)
-        os.replace(latest, root / "latest")
-        for old in sorted(p for p in root.glob("round-*") if p.name != name):
+        digest = write_checkpoint(tmp, round=round, adapter=adapter, state=state)
+        target = root / name
+        if target.exists():  # the same round saved again: a round repeated after a resume
+            old = root / f".{name}.old"
+            os.replace(target, old)
+            os.replace(tmp, target)
             shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+        fsync_dir(root)
+        write_durably(root / LATEST, pointer_text(name, digest).encode())
+        fsync_dir(root)
+        names = self.checkpoint_names()
+        keep = {name, *[n for n in names if (round_of(n) or 0) < round][-1:]}
+        for stale_name in names:
+            if stale_name not in keep:  # renamed first, so a crash mid-delete leaves no half checkpoint behind
+                os.replace(root / stale_name, root / f".{stale_name}.old")
+                shutil.rmtree(root / f".{stale_name}.old", ignore_errors=True)
 
     def load_checkpoint(self) -> tuple[int, dict[str, np.ndarray], dict[str, Any]] | None:
-        """(round, global adapter, state) of the last complete round, or None if there is none."""
+        """(round, global adapter, state) of the last complete round, or None if there is none.
+
+        Every byte is checked against the manifest before it is parsed; any damage raises
+        CheckpointError saying which file is damaged and what to do, and nothing else is raised.
+        """
         root = self.path / CHECKPOINTS
+        name: str | None = None
         try:
-            name = (root / "latest").read_text().strip()
-        except OSError:
-            return None
-        folder = root / name
-        meta = read_json(folder / "state.json")
-        state = join_state(meta["state"], load_file(str(folder / "state.safetensors")))
-        return int(meta["round"]), load_file(str(folder / ADAPTER)), state
+            try:
+                raw = (root / LATEST).read_bytes()
+            except FileNotFoundError:
+                if not self.checkpoint_names():
+                    return None
+                raise CheckpointDamage(LATEST, "is missing") from None
+            except OSError as err:
+                raise CheckpointDamage(LATEST, f"cannot be read ({err.strerror or err})") from None
+            name, digest = parse_pointer(raw)
+            if not (root / name).is_dir():
+                raise CheckpointDamage(LATEST, f"points to {name}, which does not exist")
+            if digest is None and (root / name / MANIFEST).exists():
+                raise CheckpointDamage(LATEST, f"lacks the SHA-256 of {name}/{MANIFEST}")
+            ckpt = read_checkpoint(root / name, manifest_sha256=digest)
+        except CheckpointDamage as damage:
+            raise CheckpointError(self._damage_advice(name, damage)) from None
+        return ckpt.round, ckpt.adapter, ckpt.state
+
+    def _intact(self, name: str) -> bool:
+        try:
+            read_checkpoint(self.path / CHECKPOINTS / name)
+        except CheckpointDamage:
+            return False
+        return True
+
+    def _damage_advice(self, name: str | None, damage: CheckpointDamage) -> str:
+        root = self.path / CHECKPOINTS
+        rewind = f"`nebula-fl run --resume {self.path} --rewind`"
+        if damage.file == LATEST:
+            what = f"the checkpoint pointer {root / LATEST} is damaged: it {damage.what}"
+            candidates = self.checkpoint_names()
+        else:
+            what = f"checkpoint {root / str(name)} is damaged: {damage}"
+            candidates = [n for n in self.checkpoint_names() if (round_of(n) or 0) < (round_of(str(name)) or 0)]
+        intact = next((n for n in reversed(candidates) if self._intact(n)), None)
+        if intact is None:
+            return (f"{what}; no earlier checkpoint is intact: restart this run from round 1 with {rewind} "
+                    "(it moves the damaged checkpoints aside), or start a new run with another --out")
+        which = f"checkpoint {intact}" if damage.file == LATEST else f"the previous checkpoint {intact}"
+        return f"{what}; {which} is intact; resume from it with {rewind} (it moves the damaged ones aside)"
+
+    def rewind_plan(self) -> tuple[int | None, list[str]]:
+        """(round of the newest intact checkpoint or None, damaged newer ones) — what rewind would do."""
+        damaged = []
+        for name in reversed(self.checkpoint_names()):
+            if self._intact(name):
+                return round_of(name), damaged
+            damaged.append(name)
+        return None, damaged
+
+    def rewind_checkpoints(self) -> tuple[int | None, list[str]]:
+        """Move damaged checkpoints newer than the newest intact one aside (``damaged-round-NNNNN``) and
+        point ``latest`` at that one (or remove it: the run restarts from round 1).
+
+        Returns (round resumed from or None, the new names of the folders moved aside).
+        """
+        root = self.path / CHECKPOINTS
+        kept, damaged = self.rewind_plan()
+        moved = []
+        for name in damaged:
+            aside, n = root / f"damaged-{name}", 1
+            while aside.exists():
+                n += 1
+                aside = root / f"damaged-{name}-{n}"
+            os.replace(root / name, aside)
+            moved.append(aside.name)
+        if kept is None:
+            (root / LATEST).unlink(missing_ok=True)
+        else:
+            name = folder_name(kept)
+            manifest = root / name / MANIFEST
+            text = pointer_text(name, sha256(manifest.read_bytes())) if manifest.exists() else name + "\n"
+            write_durably(root / LATEST, text.encode())
+        if root.exists():
+            fsync_dir(root)
+        return kept, moved
 
     # -- results ---------------------------------------------------------------------------------
     def save_adapter(self, adapter: dict[str, np.ndarray]) -> None:

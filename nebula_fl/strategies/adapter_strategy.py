@@ -101,7 +101,7 @@ class AdapterStrategy(NebulaStrategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        nodes = self.sample(list(grid.get_node_ids()))
+        nodes = self.sample([n for n in grid.get_node_ids() if n not in self.directory.retired])
         self.current = to_numpy(arrays)
         round_config = ConfigRecord(dict(config))
         round_config["server-round"] = server_round
@@ -139,8 +139,9 @@ class AdapterStrategy(NebulaStrategy):
                 node = self.node_of(reply)
                 self.rejected[node] = str(err)
                 log(WARNING, "round %d: dropped the reply of node %d: %s", server_round, node, err)
-        if not contributions or self.current is None:
-            return None, None
+        if not contributions or len(contributions) < self.min_updates or self.current is None:
+            # too few to move the global adapter (min-clusters): the round is skipped, nothing changes
+            return None, MetricRecord({"clusters": len(contributions)})
         weights = [c.weight for c in contributions]
         mean = weighted_mean([c.update for c in contributions], weights)
         self.current = self.outer_step(self.current, mean)

@@ -7,6 +7,13 @@ serialized bytes of every message each way, and hands a ``RoundOutcome`` to a ca
 round, which is where the run folder writes metrics and a checkpoint. Wrappers (compression, privacy,
 secure aggregation) subclass this too, so the loop and its accounting always see the outermost,
 actually-sent messages.
+
+Faults are part of the loop: a round with fewer usable updates than the strategy needs
+(`min_updates`, from ``min-clusters``) is skipped, the global adapter unchanged, and said so; too
+many skipped in a row end the run with the reasons. Which cluster a SuperNode serves is learned
+from replies and, when it matters (after a resume, or when a SuperNode appears mid-run), asked
+with one ``query`` message; a SuperNode replaced mid-round (restarted: a new node id for the same
+cluster) is dropped from the round at once instead of waited for until the round timeout.
 """
 
 from __future__ import annotations
@@ -18,13 +25,18 @@ from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
 from nebula_fl.comm.accounting import payload_bytes
 from nebula_fl.errors import NebulaError
+
+MAX_SKIPPED_IN_A_ROW = 3  # more rounds in a row without enough usable updates end the run
+NODE_CHECK_S = 2.0  # how often the loop looks for new SuperNodes while it waits for replies
+IDENTIFY_TIMEOUT_S = 60.0
+RESEND_AFTER_S = 30.0  # a node silent this long plus twice the slowest answer is sent its message again
 
 
 @dataclass
@@ -50,6 +62,38 @@ class RoundOutcome:
     seconds: float
     notes: dict[str, dict[str, Any]] = field(default_factory=dict)  # cluster id -> what a wrapper decided
     extras: dict[str, Any] = field(default_factory=dict)  # run-level records of this round (e.g. privacy)
+    skipped: str | None = None  # why the round left the global adapter as it was, if it did
+
+
+class NodeDirectory:
+    """Which cluster each SuperNode serves. Node ids change when a SuperNode restarts; cluster ids do not.
+
+    Learned from replies and identify queries, shared by every wrapper of a strategy, never
+    checkpointed (after a resume the nodes are new and are asked again).
+    """
+
+    def __init__(self) -> None:
+        self.clusters: dict[int, str] = {}
+        self.retired: dict[int, str] = {}  # node -> its cluster, for nodes another node of that cluster replaced
+
+    def __contains__(self, node: int) -> bool:
+        return node in self.clusters
+
+    def get(self, node: int) -> str | None:
+        """The cluster `node` serves, or served before another node replaced it."""
+        return self.clusters.get(node, self.retired.get(node))
+
+    def learn(self, node: int, cluster: str) -> list[int]:
+        """Record that `node` serves `cluster`; returns the other nodes it replaces (now forgotten)."""
+        replaced = [n for n, c in self.clusters.items() if c == cluster and n != node]
+        for n in replaced:
+            self.retired[n] = self.clusters.pop(n)
+        self.retired.pop(node, None)
+        self.clusters[node] = cluster
+        return replaced
+
+    def known_clusters(self) -> set[str]:
+        return set(self.clusters.values())
 
 
 class StopFederation(Exception):
@@ -70,6 +114,27 @@ class NebulaStrategy(Strategy):
         # (e.g. "node unavailable") carries the SuperLink as its source, so replies are matched by id.
         self.destinations: dict[str, int] = {}
         self.stop_reason: str | None = None  # why the run ended before its last round, if it did
+        self.directory = NodeDirectory()  # wrappers share their inner strategy's
+        self.min_updates = 1  # usable updates a round needs, else it is skipped
+        self.message_ttl: float | None = None  # seconds a message may wait for its SuperNode (the round timeout)
+
+    def set_min_updates(self, count: int) -> None:
+        """The usable updates the next aggregation needs; wrappers pass it to the strategy they hold."""
+        self.min_updates = max(1, int(count))
+        inner = getattr(self, "inner", None)
+        if isinstance(inner, NebulaStrategy):
+            inner.set_min_updates(self.min_updates)
+
+    def needs_identity(self) -> bool:
+        """Whether per-cluster state exists that a node must be matched to before it is sent a round."""
+        inner = getattr(self, "inner", None)
+        return isinstance(inner, NebulaStrategy) and inner.needs_identity()
+
+    def learn_node(self, node: int, metrics: dict[str, Any]) -> None:
+        """Learn a node's cluster from a reply's metrics (its `cluster-id`), if it says."""
+        cid = metrics.get("cluster-id")
+        if isinstance(cid, int | float) and not isinstance(cid, bool):
+            self.directory.learn(node, str(int(cid)))
 
     def node_of(self, reply: Message) -> int:
         """The cluster node a reply answers for, even when the SuperLink wrote it."""
@@ -96,34 +161,83 @@ class NebulaStrategy(Strategy):
     def exchange(
         self, grid: Grid, messages: Iterable[Message], *, timeout: float, poll_interval: float
     ) -> tuple[list[Message], dict[int, NodeTraffic]]:
-        """Push `messages`, pull replies until all arrive or `timeout` passes; count bytes both ways."""
+        """Push `messages`, pull replies until all arrive or `timeout` passes; count bytes both ways.
+
+        Meanwhile, a SuperNode that appears is asked which cluster it serves; if that cluster is one
+        this round waits for under another node id, the old node was replaced (its SuperNode
+        restarted, and the message it held is lost) and the round stops waiting for it. A node still
+        silent long after the others answered is sent its message once more: a SuperNode restarted
+        under the same node id (node authentication keeps it) lost the first copy, and the cluster
+        answers a copy of a round it already trained from its reply cache, so a copy is never a
+        second release.
+        """
         messages = list(messages)
+        for message in messages:  # a message its SuperNode picks up after the round gave up on it is dropped
+            message.metadata.ttl = min(message.metadata.ttl, self.message_ttl or timeout)
         traffic = {m.metadata.dst_node_id: NodeTraffic(bytes_down=payload_bytes(m)) for m in messages}
         ids = list(grid.push_messages(messages))
         self.destinations = {mid: m.metadata.dst_node_id for mid, m in zip(ids, messages) if mid}
+        sent = {m.metadata.dst_node_id: m for mid, m in zip(ids, messages) if mid}
         pending = set(self.destinations)
         if len(pending) < len(messages):
             log(WARNING, "%d of %d messages could not be pushed", len(messages) - len(pending), len(messages))
         replies: list[Message] = []
         pushed = time.monotonic()
-        arrived: dict[str, float] = {}
+        arrived: dict[int, float] = {}  # node -> seconds from push to its reply
+        arrived_wall: dict[int, float] = {}
         deadline = pushed + timeout
-        arrived_wall: dict[str, float] = {}
         last_poll = time.time()
+        seen_nodes = set(self.directory.clusters) | set(traffic)
+        probes: dict[str, int] = {}  # identify query id -> node
+        resent: set[int] = set()
+        next_check = pushed + NODE_CHECK_S
+
+        def stop_waiting(node: int) -> None:
+            pending.difference_update([m for m in pending if self.destinations[m] == node])
+
         while pending and time.monotonic() < deadline:
-            got = list(grid.pull_messages(pending))
-            replies.extend(got)
+            got = list(grid.pull_messages(pending | set(probes)))
             now, wall = time.monotonic(), time.time()
-            arrived.update({m.metadata.reply_to_message_id: now - pushed for m in got})
-            arrived_wall.update({m.metadata.reply_to_message_id: (last_poll + wall) / 2 for m in got})
+            for reply in got:  # a node that says it serves a cluster replaces any other node of that cluster
+                mid = reply.metadata.reply_to_message_id
+                node = probes.pop(mid) if mid in probes else self.destinations.get(mid)
+                if node is None:
+                    continue
+                for old in self._identified(node, reply):
+                    if any(self.destinations[m] == old for m in pending):
+                        stop_waiting(old)
+                        traffic[old].error = f"its SuperNode was replaced by node {node} (restarted); the round went on"
+                        log(WARNING, "node %d was replaced by node %d mid-round: not waiting for it", old, node)
+                if mid in pending:  # the first answer of a node counts; a copy's answer is the same bytes
+                    replies.append(reply)
+                    arrived[node], arrived_wall[node] = now - pushed, (last_poll + wall) / 2
+                    stop_waiting(node)
             last_poll = wall
-            pending -= {m.metadata.reply_to_message_id for m in got}
+            if pending and now >= next_check:
+                next_check = now + NODE_CHECK_S
+                new = set(grid.get_node_ids()) - seen_nodes
+                seen_nodes |= new
+                if new:
+                    probes.update(self._push_identify(grid, sorted(new)))
+            if pending and arrived and now - pushed > RESEND_AFTER_S + 2 * max(arrived.values()):
+                silent = sorted({self.destinations[m] for m in pending} - resent)
+                copies = [Message(content=sent[n].content, dst_node_id=n, message_type=sent[n].metadata.message_type,
+                                  ttl=max(1.0, deadline - now)) for n in silent]
+                for mid, copy in zip(grid.push_messages(copies), copies):
+                    if mid:
+                        self.destinations[mid] = copy.metadata.dst_node_id
+                        pending.add(mid)
+                        traffic[copy.metadata.dst_node_id].bytes_down += payload_bytes(copy)
+                resent.update(silent)
+                if silent:
+                    log(WARNING, "node(s) %s still silent %.0f s after the others answered: sent the round again",
+                        ", ".join(map(str, silent)), now - pushed - max(arrived.values()))
             if pending:
                 time.sleep(poll_interval)
         for reply in replies:
-            entry = traffic.setdefault(self.node_of(reply), NodeTraffic())
-            entry.elapsed_s = arrived.get(reply.metadata.reply_to_message_id)
-            entry.arrived_at = arrived_wall.get(reply.metadata.reply_to_message_id)
+            node = self.node_of(reply)
+            entry = traffic.setdefault(node, NodeTraffic())
+            entry.elapsed_s, entry.arrived_at = arrived.get(node), arrived_wall.get(node)
             if reply.has_error():
                 entry.error = reply.error.reason
             else:
@@ -132,9 +246,41 @@ class NebulaStrategy(Strategy):
                     entry.metrics = dict(reply.content.metric_records["metrics"])
         answered = {self.node_of(r) for r in replies}
         for node_id, entry in traffic.items():
-            if node_id not in answered:
+            if node_id not in answered and entry.error is None:
                 entry.error = f"no reply within {timeout:.0f} s"
         return replies, traffic
+
+    # -- which cluster a node serves ---------------------------------------------------------------
+    def _push_identify(self, grid: Grid, nodes: list[int]) -> dict[str, int]:
+        messages = [Message(content=RecordDict({}), dst_node_id=n, message_type=MessageType.QUERY,
+                            ttl=IDENTIFY_TIMEOUT_S) for n in nodes]
+        return {mid: m.metadata.dst_node_id for mid, m in zip(grid.push_messages(messages), messages) if mid}
+
+    def _identified(self, node: int, reply: Message) -> list[int]:
+        """Record an identify reply; returns the nodes it replaces."""
+        if reply.has_error() or "metrics" not in reply.content.metric_records:
+            return []
+        cid = reply.content.metric_records["metrics"].get("cluster-id")
+        if not isinstance(cid, int | float) or isinstance(cid, bool):
+            return []
+        if self.directory.get(node) != str(int(cid)):
+            log(INFO, "node %d serves cluster %d", node, int(cid))
+        return self.directory.learn(node, str(int(cid)))
+
+    def identify(self, grid: Grid, *, timeout: float, poll_interval: float) -> None:
+        """Ask every connected node not yet matched to a cluster which one it serves (one query each)."""
+        unknown = sorted(set(grid.get_node_ids()) - set(self.directory.clusters) - set(self.directory.retired))
+        if not unknown:
+            return
+        probes = self._push_identify(grid, unknown)
+        deadline = time.monotonic() + timeout
+        while probes and time.monotonic() < deadline:
+            for reply in grid.pull_messages(set(probes)):
+                self._identified(probes.pop(reply.metadata.reply_to_message_id), reply)
+            if probes:
+                time.sleep(poll_interval)
+        if probes:
+            log(WARNING, "%d node(s) did not say which cluster they serve within %.0f s", len(probes), timeout)
 
     def start(
         self,
@@ -151,7 +297,7 @@ class NebulaStrategy(Strategy):
         on_round_end: RoundCallback | None = None,
         poll_interval: float = 0.2,
     ) -> Result:
-        """Run rounds `first_round`..`num_rounds`; a round with no usable update raises NebulaError."""
+        """Run rounds `first_round`..`num_rounds`; too many skipped rounds in a row raise NebulaError."""
         if not 1 <= first_round <= num_rounds + 1:
             raise ValueError(f"first_round must be in 1..{num_rounds + 1}, got {first_round}")
         train_config = ConfigRecord() if train_config is None else train_config
@@ -160,10 +306,14 @@ class NebulaStrategy(Strategy):
         arrays = initial_arrays
         if evaluate_fn and evaluate_initial and first_round == 1 and (res := evaluate_fn(0, arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
+        skipped_in_a_row: list[str] = []
+        self.message_ttl = timeout
         for rnd in range(first_round, num_rounds + 1):
             started = time.monotonic()
             log(INFO, "[ROUND %d/%d]", rnd, num_rounds)
             self.rejected = {}
+            if self.needs_identity():
+                self.identify(grid, timeout=min(timeout, IDENTIFY_TIMEOUT_S), poll_interval=poll_interval)
             try:
                 messages = self.configure_train(rnd, arrays, train_config, grid)
             except StopFederation as stop:
@@ -171,27 +321,44 @@ class NebulaStrategy(Strategy):
                 log(INFO, "the run ends before round %d: %s", rnd, stop)
                 break
             replies, traffic = self.exchange(grid, messages, timeout=timeout, poll_interval=poll_interval)
+            for reply in replies:
+                if not reply.has_error() and "metrics" in reply.content.metric_records:
+                    self.learn_node(self.node_of(reply), dict(reply.content.metric_records["metrics"]))
             new_arrays, train_metrics = self.aggregate_train(rnd, replies)
             self.observe_traffic(traffic)
+            skipped = None
             if new_arrays is None:
                 reasons = "; ".join(
-                    f"node {n}: {self.rejected.get(n) or t.error or 'rejected'}" for n, t in traffic.items()
-                )
-                raise NebulaError(f"round {rnd}: no cluster returned a usable update ({reasons or 'no clusters'})")
-            arrays = result.arrays = new_arrays
-            if train_metrics is not None:
-                result.train_metrics_clientapp[rnd] = train_metrics
-            eval_messages = list(self.configure_evaluate(rnd, arrays, evaluate_config, grid))
-            if eval_messages:
-                eval_replies, _ = self.exchange(grid, eval_messages, timeout=timeout, poll_interval=poll_interval)
-                if (agg := self.aggregate_evaluate(rnd, eval_replies)) is not None:
-                    result.evaluate_metrics_clientapp[rnd] = agg
-            eval_metrics = evaluate_fn(rnd, arrays) if evaluate_fn else None
-            if eval_metrics is not None:
-                result.evaluate_metrics_serverapp[rnd] = eval_metrics
+                    f"cluster {self.directory.get(n) or f'of node {n}'}: "
+                    f"{self.rejected.get(n) or t.error or 'usable update'}" for n, t in traffic.items()
+                ) or "no cluster was sent the round"
+                usable = int((train_metrics or {}).get("clusters", 0))
+                skipped = (f"{usable} usable update(s), fewer than the {self.min_updates} a round needs "
+                           f"(min-clusters); the global adapter stays ({reasons})")
+                log(WARNING, "round %d skipped: %s", rnd, skipped)
+                skipped_in_a_row.append(f"round {rnd}: {reasons}")
+                if len(skipped_in_a_row) >= MAX_SKIPPED_IN_A_ROW:
+                    raise NebulaError(
+                        f"{len(skipped_in_a_row)} rounds in a row had too few usable updates "
+                        f"({' | '.join(skipped_in_a_row)}); check the clusters' logs, or lower min-clusters"
+                    )
+                eval_metrics = None
+            else:
+                skipped_in_a_row = []
+                arrays = result.arrays = new_arrays
+                if train_metrics is not None:
+                    result.train_metrics_clientapp[rnd] = train_metrics
+                eval_messages = list(self.configure_evaluate(rnd, arrays, evaluate_config, grid))
+                if eval_messages:
+                    eval_replies, _ = self.exchange(grid, eval_messages, timeout=timeout, poll_interval=poll_interval)
+                    if (agg := self.aggregate_evaluate(rnd, eval_replies)) is not None:
+                        result.evaluate_metrics_clientapp[rnd] = agg
+                eval_metrics = evaluate_fn(rnd, arrays) if evaluate_fn else None
+                if eval_metrics is not None:
+                    result.evaluate_metrics_serverapp[rnd] = eval_metrics
             if on_round_end:
                 on_round_end(
                     RoundOutcome(rnd, arrays, train_metrics, eval_metrics, traffic, dict(self.rejected),
-                                 time.monotonic() - started, self.round_notes(), self.round_summary())
+                                 time.monotonic() - started, self.round_notes(), self.round_summary(), skipped)
                 )
         return result

@@ -65,6 +65,7 @@ class CompressionWrapper(NebulaStrategy):
     ) -> None:
         super().__init__()
         self.inner = inner
+        self.directory = inner.directory
         self.codec_up, self.codec_down, self.seed = codec_up, codec_down, seed
         # The seeded initial adapter, which every cluster can rebuild on its own: a cluster the server has
         # no view of is sent the change since it (round 0), not a float32 copy of everything.
@@ -80,7 +81,6 @@ class CompressionWrapper(NebulaStrategy):
         self.views: dict[str, Arrays] = {}  # cluster id -> the global adapter as that cluster has it
         self.view_rounds: dict[str, int] = {}
         self.force_full: set[str] = set()  # clusters that could not rebuild the initial adapter bit for bit
-        self.node_cluster: dict[int, str] = {}  # learned from replies; node ids change when a SuperNode restarts
         self.pending: dict[int, tuple[Arrays, int]] = {}  # node -> (its view once it acknowledges, round)
         self.sent_from: dict[int, str] = {}  # node -> "view", "initial" or "full": the base of its last message
         self.choices: dict[str, dict[str, Any]] = {}  # cluster -> this round's adaptive decision
@@ -97,6 +97,10 @@ class CompressionWrapper(NebulaStrategy):
         self.view_rounds = {str(k): int(v) for k, v in state["view_rounds"].items()}
         self.force_full = set(state.get("force_full", []))
         self.bandwidth.load_state_dict(state.get("bandwidth", {}))
+
+    def needs_identity(self) -> bool:
+        """A node must be matched to its cluster before it is sent the change since that cluster's view."""
+        return bool(self.views) or super().needs_identity()
 
     def summary(self) -> None:
         log(INFO, "\t├──> compression: up '%s', down '%s'%s", self.codec_up, self.codec_down,
@@ -137,7 +141,7 @@ class CompressionWrapper(NebulaStrategy):
         out = []
         for message in plain:
             node = message.metadata.dst_node_id
-            cluster = self.node_cluster.get(node)
+            cluster = self.directory.get(node)
             cfg = dict(message.content.config_records[CONFIG_KEY])
             cfg.update({"codec-seed": self.round_seed, "codec-up": self._uplink_spec(cluster, layout)})
             if cluster in self.views:
@@ -171,7 +175,7 @@ class CompressionWrapper(NebulaStrategy):
         if reply.has_error():
             # Its view is in doubt (it may have applied this round's change): next time it is sent the
             # change since the initial adapter, or everything if that base is what it could not match.
-            cluster = self.node_cluster.get(node)
+            cluster = self.directory.get(node)
             if cluster is not None:
                 self.views.pop(cluster, None)
                 if self.sent_from.get(node) == "initial":
@@ -189,7 +193,7 @@ class CompressionWrapper(NebulaStrategy):
             self.rejected[node] = f"update cannot be decoded: {err}"
             log(WARNING, "dropped the reply of node %d: update cannot be decoded: %s", node, err)
             return None
-        self.node_cluster[node] = cluster
+        self.directory.learn(node, cluster)
         self.force_full.discard(cluster)
         if node in self.pending:
             self.views[cluster], self.view_rounds[cluster] = self.pending[node]
@@ -203,7 +207,17 @@ class CompressionWrapper(NebulaStrategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         assert self.inner.current is not None
         layout = Layout.from_arrays({k: self.inner.current[k] for k in sorted(self.inner.current)})
+        replies = list(replies)
         decoded = [m for m in (self._decode_reply(r, layout) for r in replies) if m is not None]
+        answered = {self.node_of(r) for r in replies}
+        for node in set(self.pending) - answered:
+            # no reply (timed out, or its SuperNode was replaced): the cluster may or may not have applied
+            # this round's change, so its view is in doubt; the next round sends the change since the
+            # seeded initial adapter, which it always holds
+            cluster = self.directory.get(node)
+            if cluster is not None and self.views.pop(cluster, None) is not None:
+                log(INFO, "cluster %s did not answer round %d: its next change is sent from the initial adapter",
+                    cluster, server_round)
         self.inner.destinations = self.destinations
         self.inner.rejected = {}
         arrays, metrics = self.inner.aggregate_train(server_round, decoded)
@@ -213,7 +227,7 @@ class CompressionWrapper(NebulaStrategy):
     def observe_traffic(self, traffic: dict[int, NodeTraffic]) -> None:
         """Feed last round's measured uploads to the bandwidth tracker (clusters without a configured link)."""
         for node, t in traffic.items():
-            cluster = self.node_cluster.get(node)
+            cluster = self.directory.get(node)
             if cluster is None or t.error or t.elapsed_s is None:
                 continue
             seconds = adaptive.upload_seconds_estimate(

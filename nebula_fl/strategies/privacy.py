@@ -1,9 +1,11 @@
-"""Differential privacy as a wrapper: budgets, exhausted clusters and the server-side accountant.
+"""Differential privacy as a wrapper: refusals, stopped clusters and the server-side accountant.
 
-Sample-level DP ('sample') happens inside each cluster (Opacus, in its trainer); the cluster keeps
-its own ledger and refuses a round that would carry it past `privacy.max-epsilon`. This wrapper
-takes such a refusal as final for that cluster: it stops sending it rounds, records where and why
-it stopped, and ends the run cleanly once no cluster with budget is left.
+Whether a cluster trains is its own decision: its trainer holds its operator's privacy policy and its
+own lifetime ledger, and refuses a round whose request is weaker than the policy (`policy`) or that
+would carry it past its budget (`budget`), saying why. This wrapper is always in the stack (with
+privacy off too, since a cluster's policy may require DP the server did not ask for): it takes a
+refusal as final for that cluster, stops sending it rounds, records where and why it stopped, no
+longer counts it towards `min-clusters`, and ends the run cleanly once no cluster is left.
 
 Client-level DP ('client'): every cluster clips its update to C and adds Gaussian noise before the
 update leaves it; the accountant is here, one sampled Gaussian mechanism per round (q = the share
@@ -33,13 +35,10 @@ from nebula_fl.strategies.base import NebulaStrategy, NodeTraffic, StopFederatio
 class PrivacyWrapper(NebulaStrategy):
     def __init__(self, inner: NebulaStrategy, *, cfg: PrivacyConfig, num_rounds: int, clusters: int) -> None:
         super().__init__()
-        if cfg.mode == "off":
-            raise ValueError("PrivacyWrapper needs privacy.mode 'sample' or 'client'")
         self.inner, self.cfg = inner, cfg
+        self.directory = inner.directory
         self.num_rounds, self.clusters = num_rounds, clusters
-        self.exhausted: dict[str, dict[str, Any]] = {}  # cluster -> {"round", "reason", "epsilon"}
-        self.node_cluster: dict[int, str] = {}
-        self.round_clusters: set[str] = set()
+        self.exhausted: dict[str, dict[str, Any]] = {}  # cluster -> {"round", "reason", "epsilon", "refusal"}
         self.notes: dict[str, dict[str, Any]] = {}
         self.current: ArrayRecord | None = None
         self.server_ledger = None
@@ -51,7 +50,8 @@ class PrivacyWrapper(NebulaStrategy):
         from nebula_fl.privacy.budget import noise_for_target
         from nebula_fl.privacy.client_dp import ServerDPAccountant
 
-        self.delta = self.cfg.delta if self.cfg.delta is not None else 1.0 / (10 * self.clusters)
+        # δ ≤ 1e-5 and well below 1/n of the protected units (the clusters) unless the operator sets it
+        self.delta = self.cfg.delta if self.cfg.delta is not None else min(1e-5, 1.0 / (10 * self.clusters))
         self.server_ledger = ServerDPAccountant(accountant=self.cfg.accountant, delta=self.delta)
         self.sample_rate = 1.0  # every connected cluster is sampled each round unless clusters-per-round says less
         self.sigma = self.cfg.noise_multiplier
@@ -59,6 +59,10 @@ class PrivacyWrapper(NebulaStrategy):
             self.sigma = noise_for_target(target_epsilon=self.cfg.target_epsilon, delta=self.delta,
                                           sample_rate=self.sample_rate, steps=self.num_rounds,
                                           accountant=self.cfg.accountant)
+
+    def needs_identity(self) -> bool:
+        """A stopped cluster must be recognised under a new node id, or it would be sent rounds again."""
+        return bool(self.exhausted) or super().needs_identity()
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -72,7 +76,7 @@ class PrivacyWrapper(NebulaStrategy):
             self.server_ledger.load_state_dict(state["server_ledger"])
 
     def summary(self) -> None:
-        log(INFO, "\t├──> differential privacy: %s, clip %s, accountant %s, budget %s", self.cfg.mode,
+        log(INFO, "\t├──> differential privacy (as asked; each cluster's own policy decides): %s, clip %s, accountant %s, budget %s", self.cfg.mode,
             self.cfg.max_grad_norm, self.cfg.accountant, self.cfg.max_epsilon or "none")
         self.inner.summary()
 
@@ -81,7 +85,7 @@ class PrivacyWrapper(NebulaStrategy):
         out: dict[str, Any] = {"mode": self.cfg.mode, "accountant": self.cfg.accountant,
                                "max_epsilon": self.cfg.max_epsilon,
                                "clusters": {cid: {"stopped_round": e["round"], "reason": e["reason"],
-                                                  "epsilon": e.get("epsilon")}
+                                                  "epsilon": e.get("epsilon"), "refusal": e.get("refusal")}
                                             for cid, e in self.exhausted.items()}}
         if self.server_ledger is not None:
             out["client"] = self.server_ledger.metrics_entry()
@@ -103,20 +107,28 @@ class PrivacyWrapper(NebulaStrategy):
             cfg["privacy-sigma"] = float(self.sigma)
             cfg["privacy-noise-shares"] = 1
         messages = [m for m in self.inner.configure_train(server_round, arrays, cfg, grid)
-                    if self.node_cluster.get(m.metadata.dst_node_id) not in self.exhausted]
+                    if self.directory.get(m.metadata.dst_node_id) not in self.exhausted]
         if not messages:
-            raise StopFederation(f"every cluster has spent its privacy budget (ε ≤ {self.cfg.max_epsilon})")
+            why = sorted({e.get("refusal") or "budget" for e in self.exhausted.values()})
+            raise StopFederation(
+                "every cluster has stopped: "
+                + " or ".join({"budget": f"its privacy budget is spent (ε ≤ {self.cfg.max_epsilon})",
+                               "policy": "its privacy policy refuses what the server asks"}.get(w, w) for w in why)
+            )
         return messages
 
     def _refusal(self, reply: Message) -> tuple[str, dict[str, Any]] | None:
+        """Learn the reply's cluster and keep what it says of its privacy; return (cluster, notes) if it refused."""
         if reply.has_error() or METRICS_KEY not in reply.content.metric_records:
             return None
         metrics = dict(reply.content.metric_records[METRICS_KEY])
-        if "cluster-id" in metrics:
-            self.node_cluster[self.node_of(reply)] = str(int(metrics["cluster-id"]))
+        self.learn_node(self.node_of(reply), metrics)
+        notes = dict(reply.content.config_records["notes"]) if "notes" in reply.content.config_records else {}
+        cluster = self.directory.get(self.node_of(reply))
+        if cluster is not None and notes:  # e.g. the accountant and mode the cluster's own policy used
+            self.notes.setdefault(cluster, {}).update({k.replace("-", "_"): v for k, v in notes.items()})
         if not metrics.get("privacy-refused"):
             return None
-        notes = dict(reply.content.config_records["notes"]) if "notes" in reply.content.config_records else {}
         return str(int(metrics["cluster-id"])), {"epsilon": metrics.get("epsilon"), **notes}
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -128,11 +140,16 @@ class PrivacyWrapper(NebulaStrategy):
                 continue
             cluster, info = refused
             reason = info.get("privacy-reason", "its privacy budget would be exceeded")
-            self.exhausted[cluster] = {"round": server_round, "reason": reason, "epsilon": info.get("epsilon")}
-            self.notes[cluster] = {"privacy_refused": True, "privacy_reason": reason}
-            log(WARNING, "round %d: cluster %s stops: %s", server_round, cluster, reason)
+            kind = info.get("privacy-refusal") or "budget"
+            self.exhausted[cluster] = {"round": server_round, "reason": reason, "epsilon": info.get("epsilon"),
+                                       "refusal": kind}
+            self.notes.setdefault(cluster, {}).update(privacy_refused=True, privacy_reason=reason, privacy_refusal=kind)
+            log(WARNING, "round %d: cluster %s stops (%s): %s", server_round, cluster, kind, reason)
         self.inner.destinations = self.destinations
         self.inner.rejected = {}
+        # a cluster that stopped has left the federation: min-clusters counts the ones still in it
+        active = self.directory.known_clusters() - set(self.exhausted)
+        self.inner.set_min_updates(min(self.min_updates, len(active)) if active else self.min_updates)
         if not passed:  # every sampled cluster refused: the global adapter stays as it is this round
             arrays, metrics = self.current, MetricRecord({"clusters": 0})
         else:
@@ -154,15 +171,12 @@ class PrivacyWrapper(NebulaStrategy):
         return make_message(metadata=reply.metadata, content=RecordDict(records))
 
     def observe_traffic(self, traffic: dict[int, NodeTraffic]) -> None:
-        self.round_clusters = {self.node_cluster[n] for n in traffic if n in self.node_cluster}
         self.inner.observe_traffic(traffic)
 
     def round_notes(self) -> dict[str, dict[str, Any]]:
         notes = {cid: dict(n) for cid, n in self.inner.round_notes().items()}
         for cid, n in self.notes.items():
             notes.setdefault(cid, {}).update(n)
-        for cid in self.round_clusters:  # only the clusters that took part in this round
-            notes.setdefault(cid, {})["accountant"] = self.cfg.accountant
         return notes
 
     def round_summary(self) -> dict[str, Any]:

@@ -20,9 +20,11 @@ import socket
 import struct
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from nebula_fl.errors import ConfigError
+from nebula_fl.wan.capture import CaptureWriter
 from nebula_fl.wan.http_requests import HttpRequestCounter
 from nebula_fl.wan.profile import DIRECTIONS, Direction, LinkProfile
 
@@ -67,8 +69,9 @@ class _Pipe:
     """One direction of one connection: read, schedule on the shared link, deliver on time, in order."""
 
     def __init__(self, proxy: WanProxy, direction: Direction, src: asyncio.StreamReader, dst: asyncio.StreamWriter,
-                 *, not_before: float, counter: HttpRequestCounter | None) -> None:
+                 *, not_before: float, counter: HttpRequestCounter | None, connection: int = 0) -> None:
         self.proxy, self.direction, self.src, self.dst = proxy, direction, src, dst
+        self.connection = connection
         self.link = proxy._links[direction]
         self.not_before = not_before
         self.counter = counter
@@ -130,6 +133,8 @@ class _Pipe:
             if batch:
                 nbytes = sum(map(len, batch))
                 self.dst.writelines(batch)
+                if self.proxy._capture is not None:
+                    self.proxy._capture.record(self.direction, self.connection, batch)
                 self.queued -= nbytes
                 self.has_room.set()
                 self.proxy._bytes[self.direction] += nbytes
@@ -157,6 +162,7 @@ class _Connection:
         self.upstream: asyncio.StreamWriter | None = None
         self.task = task
         self.reset = False
+        self.number = 0  # 1, 2, ... in order of acceptance: names the connection in a capture
 
     def abort(self, *, cancel: bool = True) -> None:
         """Reset both sockets; ``cancel`` also ends the connection's task (from outside it)."""
@@ -177,11 +183,13 @@ class WanProxy:
 
     ``await start()`` binds (``listen_port=0`` picks a free port) and returns the port; ``await stop()``
     resets every connection and returns once all of the proxy's tasks have ended. ``seed`` makes the
-    jitter reproducible for the same arrival times.
+    jitter reproducible for the same arrival times. ``capture``, a file path, appends every byte
+    forwarded each way to it (``capture.py``); off by default.
     """
 
     def __init__(self, *, listen_host: str = "127.0.0.1", listen_port: int = 0, target_host: str,
-                 target_port: int, profile: LinkProfile, seed: int = 0, handshake: bool = True) -> None:
+                 target_port: int, profile: LinkProfile, seed: int = 0, handshake: bool = True,
+                 capture: str | Path | None = None) -> None:
         if not isinstance(profile, LinkProfile):
             raise ConfigError(f"WanProxy needs a LinkProfile, got {type(profile).__name__}; use parse_profile('20mbit:100ms')")
         for name, port, low in (("listen_port", listen_port, 0), ("target_port", target_port, 1)):
@@ -209,6 +217,8 @@ class WanProxy:
         self._dropped = 0
         self._drops = 0
         self._started_at: float | None = None
+        self.capture_path = None if capture is None else Path(capture)
+        self._capture: CaptureWriter | None = None
 
     @property
     def profile(self) -> LinkProfile:
@@ -241,6 +251,13 @@ class WanProxy:
                 f"pick a free port, or 0 to let the system choose one"
             ) from None
         self.listen_port = int(self._server.sockets[0].getsockname()[1])
+        if self.capture_path is not None:
+            try:
+                self._capture = CaptureWriter(self.capture_path)
+            except OSError as err:
+                await self.stop()
+                raise ConfigError(f"the WAN proxy cannot write its capture to {self.capture_path} "
+                                  f"({err.strerror or err}); pass a writable --capture path") from None
         self._started_at = time.time()
         return self.listen_port
 
@@ -256,6 +273,9 @@ class WanProxy:
         tasks = [c.task for c in conns if c.task is not None and c.task is not asyncio.current_task()]
         await asyncio.gather(*tasks, return_exceptions=True)
         await server.wait_closed()
+        if self._capture is not None:
+            self._capture.close()
+            self._capture = None
 
     def drop_connections(self) -> int:
         """Reset every open connection on both sides, as a link outage would; return how many."""
@@ -302,6 +322,7 @@ class WanProxy:
             return
         self._conns.add(conn)
         self._connections += 1
+        conn.number = self._connections
         try:
             await self._relay(conn, client_reader, accepted)
         except asyncio.CancelledError:
@@ -325,8 +346,9 @@ class WanProxy:
             return
         conn.upstream = up_writer
         not_before = accepted + self._profile.rtt_s if self.handshake else 0.0
-        up = _Pipe(self, "up", client_reader, up_writer, not_before=not_before, counter=HttpRequestCounter())
-        down = _Pipe(self, "down", up_reader, conn.client, not_before=0.0, counter=None)
+        up = _Pipe(self, "up", client_reader, up_writer, not_before=not_before, counter=HttpRequestCounter(),
+                   connection=conn.number)
+        down = _Pipe(self, "down", up_reader, conn.client, not_before=0.0, counter=None, connection=conn.number)
         tasks = [asyncio.create_task(c) for c in (up.read_loop(), up.write_loop(), down.read_loop(), down.write_loop())]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

@@ -3,6 +3,8 @@
 It runs the proxy and a control server on a Unix socket (``control.py``), prints one ready line —
 ``wan proxy listening on HOST:PORT -> TARGET (PROFILE)`` — once both are listening, and on SIGTERM,
 SIGINT or ``{"op": "stop"}`` resets its connections, removes the socket file and exits with status 0.
+``--capture FILE`` (or, for the proxies the launcher starts, ``NEBULA_WAN_CAPTURE_DIR`` in the
+environment: ``<dir>/<control socket name>.cap``) records every byte forwarded (``capture.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nebula_fl.errors import ConfigError, NebulaError
+from nebula_fl.wan.capture import CAPTURE_DIR_ENV
 from nebula_fl.wan.control import MAX_LINE, answer, query_proxy
 from nebula_fl.wan.profile import LinkProfile, parse_profile
 from nebula_fl.wan.proxy import WanProxy
@@ -124,7 +127,7 @@ async def _run(proxy: WanProxy, control_socket: Path) -> None:
 
 
 def run_proxy(*, listen_port: int, target: str, profile: LinkProfile | str, control_socket: str | Path,
-              listen_host: str = "127.0.0.1", seed: int = 0) -> None:
+              listen_host: str = "127.0.0.1", seed: int = 0, capture: str | Path | None = None) -> None:
     """Run a WAN proxy to ``target`` (``HOST:PORT``) until SIGTERM, SIGINT or a ``stop`` request.
 
     Blocks; prints the ready line (flushed) once the proxy and its control socket both listen.
@@ -132,7 +135,7 @@ def run_proxy(*, listen_port: int, target: str, profile: LinkProfile | str, cont
     host, port = parse_target(target)
     link = parse_profile(profile) if isinstance(profile, str) else profile
     proxy = WanProxy(listen_host=listen_host, listen_port=listen_port, target_host=host, target_port=port,
-                     profile=link, seed=seed)
+                     profile=link, seed=seed, capture=capture)
     asyncio.run(_run(proxy, Path(control_socket)))
 
 
@@ -150,10 +153,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="RATE:RTT[:JITTER], RATE = R or DOWN/UP, e.g. 20mbit:100ms or 100mbit/20mbit:50ms:5ms")
     parser.add_argument("--control", required=True, help="Unix socket path for stats/drop/set_profile requests")
     parser.add_argument("--seed", type=int, default=0, help="seed of the jitter")
+    parser.add_argument("--capture", metavar="FILE",
+                        help=f"append every byte forwarded, each way, to FILE (off by default; ${CAPTURE_DIR_ENV} "
+                        "sets a folder for it instead)")
     args = parser.parse_args(argv)
+    capture = args.capture
+    if capture is None and os.environ.get(CAPTURE_DIR_ENV):
+        capture = Path(os.environ[CAPTURE_DIR_ENV]) / f"{Path(args.control).stem}.cap"
     try:
         run_proxy(listen_port=args.listen_port, target=args.target, profile=args.profile,
-                  control_socket=Path(args.control), listen_host=args.listen_host, seed=args.seed)
+                  control_socket=Path(args.control), listen_host=args.listen_host, seed=args.seed, capture=capture)
     except NebulaError as err:
         print(f"nebula-fl wan: error: {err}", file=sys.stderr)
         return 2

@@ -1,0 +1,128 @@
+"""Faults, end to end with the real Flower commands on the tiny model: a SIGKILLed launcher leaves no process
+behind and its run resumes; a SIGKILLed trainer is restarted while the other clusters go on; a damaged newest
+checkpoint stops a resume with one line, and --rewind resumes from the one before."""
+
+import json
+import os
+import signal
+import time
+
+import psutil
+
+from tests.test_e2e import TINY, rounds_of, smoke_args
+
+
+def _lines(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _find(cli, *words: str) -> psutil.Process:
+    """The launcher's live descendant whose command line holds every one of `words`."""
+    cli.poll_tree()
+    for pid, (created, _) in cli.seen.items():
+        try:
+            proc = psutil.Process(pid)
+            cmd = " ".join(proc.cmdline())  # whole: Tracked keeps only the first 160 characters
+            if abs(proc.create_time() - created) < 1e-3 and all(w in cmd for w in words):
+                return proc
+        except psutil.Error:
+            pass
+    raise AssertionError(f"no live process with {words} among the launcher's descendants")
+
+
+def test_a_sigkilled_launcher_leaves_no_process_its_run_resumes_and_rewinds_past_damage(tiny_model, run_cli, tmp_path):
+    out = tmp_path / "run"
+    cli = run_cli(*smoke_args(tiny_model, out, "--rounds", "3"), name="killed")
+    assert cli.wait(300, until=lambda: len(rounds_of(out)) >= 1) == -1, cli.output()[-3000:]
+    for _ in range(10):  # record every descendant (a ClientApp may be starting right now)
+        cli.poll_tree()
+        time.sleep(0.1)
+    seen = " ".join(cmd for _, cmd in cli.seen.values())
+    for program in ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "nebula_fl trainer",
+                    "nebula_fl.launcher.watchdog"):
+        assert program in seen, program
+    alive_before = [pid for pid, (created, _) in cli.seen.items() if psutil.pid_exists(pid)]
+    assert len(alive_before) >= 8  # superlink + its superexec + serverapp, 2 supernodes + superexecs, 2 trainers...
+
+    cli.popen.kill()  # SIGKILL: the launcher stops nothing itself
+    killed_at = time.monotonic()
+    cli.popen.wait()
+    cli.handle.close()
+    assert cli.survivors(settle=10.0) == [], "processes outlived the SIGKILLed launcher"
+    assert time.monotonic() - killed_at < 10.5
+    assert "the launcher is gone" in (out / "logs" / "watchdog.log").read_text()
+
+    resumed = run_cli("run", "--resume", str(out), "--port", "0", name="resume")
+    assert resumed.wait(300) == 0, resumed.output()[-3000:]
+    assert resumed.survivors() == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 3
+    assert rounds_of(out) == [1, 2, 3]
+    assert summary["restarts"] == []
+
+    # The newest checkpoint damaged: a resume stops with one line and touches nothing; --rewind resumes
+    # from the one before, and round 3 is trained again.
+    adapter = out / "checkpoint" / "round-00003" / "adapter.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:-10])
+    refused = run_cli("run", "--resume", str(out), "--rounds", "4", "--port", "0", name="refused")
+    assert refused.wait(120) == 2, refused.output()[-3000:]
+    assert "round-00003 is damaged: adapter.safetensors is truncated" in refused.output()
+    assert "the previous checkpoint round-00002 is intact" in refused.output()
+    rewound = run_cli("run", "--resume", str(out), "--rounds", "4", "--rewind", "--port", "0", name="rewind")
+    assert rewound.wait(300) == 0, rewound.output()[-3000:]
+    assert rewound.survivors() == []
+    assert "moved the damaged checkpoint aside: checkpoint/damaged-round-00003" in rewound.output()
+    assert "rewound to the checkpoint of round 2" in rewound.output() and "round 3/4" in rewound.output()
+    assert (out / "checkpoint" / "damaged-round-00003" / "adapter.safetensors").exists()
+    assert rounds_of(out) == [1, 2, 3, 4]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 4
+
+
+def test_a_killed_trainer_is_restarted_while_the_other_clusters_go_on(tiny_model, run_cli, tmp_path):
+    out = tmp_path / "run"
+    started = time.monotonic()
+    cli = run_cli("run", "--preset", "smoke", "--clusters", "3", "--rounds", "4", "--port", "0", "--out", str(out),
+                  "--run-config", f'model="{tiny_model}" {TINY}', name="restart")
+    assert cli.wait(400, until=lambda: len(rounds_of(out)) >= 1) == -1, cli.output()[-3000:]
+    trainer = _find(cli, "nebula_fl trainer", "--cluster-id 1 ")
+    supernode = _find(cli, "flower-supernode", "cluster-id=1")
+    before = {p.pid for p in supernode.children(recursive=True)}
+    # Round 2 is on its way: kill cluster 1's trainer as soon as round 2's ClientApp for cluster 1 starts,
+    # so that the ClientApp finds it dead (the restarted one takes longer to load than a ClientApp to start).
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        cli.poll_tree()
+        apps = [p for p in supernode.children(recursive=True) if p.pid not in before and "flwr-clientapp" in
+                " ".join(p.cmdline())]
+        if apps:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"no ClientApp started for cluster 1 in round 2; log:\n{cli.output()[-3000:]}")
+    os.kill(trainer.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert cli.wait(600) == 0, cli.output()[-5000:]
+    assert cli.survivors() == [], "processes outlived the launcher"
+
+    output = cli.output()
+    assert "cluster 1: trainer exited with status -9; restarted (1 of 3)" in output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 4
+    (restart,) = summary["restarts"]
+    assert restart["service"] == "trainer" and restart["cluster"] == 1 and restart["exit_code"] == -signal.SIGKILL
+    assert restart["restarted"] is True
+    assert killed_at - started - 30 < restart["seconds_into_run"] < killed_at - started + 3  # the launcher's clock
+
+    lines = _lines(out)
+    assert [x["round"] for x in lines] == [1, 2, 3, 4]
+    node_1 = lines[0]["clusters"]["1"]["node_id"]
+    died = lines[1]
+    assert {"0", "2"} <= set(died["clusters"]) and "0" not in died["rejected"] and "2" not in died["rejected"]
+    if "1" in died["rejected"]:  # the drop is recorded under its cluster, and the others were aggregated
+        assert died["clusters_aggregated"] == 2
+    else:  # or the ClientApp waited (TRAINER_WAIT_S) for the restarted trainer, which trained round 2
+        assert died["clusters_aggregated"] == 3 and "train_loss" in died["clusters"]["1"], died
+    later = [x for x in lines[2:] if "1" in x["clusters"] and "1" not in x["rejected"]]
+    assert later, "cluster 1 never trained again after its trainer was restarted"
+    assert later[-1]["clusters"]["1"]["node_id"] == node_1  # the same SuperNode, a new trainer behind it

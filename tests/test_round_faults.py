@@ -1,0 +1,147 @@
+"""The round loop under faults, against a scripted grid: skipped rounds, replaced SuperNodes, identify queries."""
+
+import time
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Metadata, MetricRecord, RecordDict
+from flwr.app.message.message import make_message
+
+from nebula_fl.config import OuterConfig
+from nebula_fl.errors import NebulaError
+from nebula_fl.strategies import make_strategy
+from nebula_fl.strategies.adapter_strategy import to_numpy
+
+GLOBAL = {"w": np.zeros(3, np.float32)}
+
+
+class ScriptedGrid:
+    """Nodes answer by a script: node -> cluster id, or None (never answers), or "error"."""
+
+    def __init__(self, script, *, late_nodes=None):
+        self.script = dict(script)
+        self.late_nodes = dict(late_nodes or {})  # node -> (appears after s, cluster it serves)
+        self.started = time.monotonic()
+        self.outbox, self.sent = {}, []
+
+    def get_node_ids(self):
+        now = time.monotonic() - self.started
+        return sorted(list(self.script) + [n for n, (after, _) in self.late_nodes.items() if now >= after])
+
+    def push_messages(self, messages):
+        ids = []
+        for m in messages:
+            mid = f"m{len(self.sent)}"
+            m.metadata.__dict__["_message_id"] = mid
+            self.sent.append(m)
+            ids.append(mid)
+            self.outbox[mid] = self._answer(m, mid)
+        return ids
+
+    def _answer(self, message, mid):
+        node = message.metadata.dst_node_id
+        cluster = self.script.get(node, self.late_nodes.get(node, (0, None))[1])
+        if cluster == "lost-once":  # the SuperNode died holding it and came back under the same node id
+            self.script[node] = str(node)
+            return None
+        meta = Metadata(run_id=1, message_id="", src_node_id=node, dst_node_id=0, reply_to_message_id=mid,
+                        group_id="1", created_at=0.0, ttl=100.0, message_type=message.metadata.message_type)
+        if cluster is None:
+            return None
+        if cluster == "error":
+            return make_message(metadata=meta, error=Error(code=1, reason="the trainer is gone"))
+        metrics = {"cluster-id": int(cluster), "num-examples": 10, "train-loss": 1.0}
+        if message.metadata.message_type == "query":
+            return make_message(metadata=meta, content=RecordDict({"metrics": MetricRecord(metrics)}))
+        update = ArrayRecord({"w": Array(np.ones(3, np.float32))})
+        return make_message(metadata=meta, content=RecordDict({"update": update, "metrics": MetricRecord(metrics)}))
+
+    def pull_messages(self, ids):
+        replies = [self.outbox.get(mid) for mid in list(ids)]
+        for reply in replies:
+            if reply is not None:
+                del self.outbox[reply.metadata.reply_to_message_id]
+        return [r for r in replies if r is not None]
+
+    def kinds(self):
+        return [(m.metadata.message_type, m.metadata.dst_node_id) for m in self.sent]
+
+
+def run(strategy, grid, rounds, timeout=600.0):
+    outcomes = []
+    result = strategy.start(grid, ArrayRecord({"w": Array(GLOBAL["w"])}), num_rounds=rounds, timeout=timeout,
+                            train_config=ConfigRecord({}), evaluate_fn=None, evaluate_initial=False,
+                            on_round_end=outcomes.append, poll_interval=0.05)
+    return result, outcomes
+
+
+def test_a_round_with_too_few_updates_is_skipped_and_the_adapter_stays():
+    strategy = make_strategy(OuterConfig())
+    strategy.set_min_updates(2)
+    result, outcomes = run(strategy, ScriptedGrid({1: "0", 2: "error"}), rounds=2)
+    assert [o.skipped is not None for o in outcomes] == [True, True]
+    assert "fewer than the 2 a round needs" in outcomes[0].skipped and "the trainer is gone" in outcomes[0].skipped
+    np.testing.assert_array_equal(to_numpy(result.arrays)["w"], GLOBAL["w"])
+    # with a quorum of one the same grid moves the adapter by node 1's update
+    strategy = make_strategy(OuterConfig())
+    result, outcomes = run(strategy, ScriptedGrid({1: "0", 2: "error"}), rounds=1)
+    assert outcomes[0].skipped is None and "the trainer is gone" in outcomes[0].nodes[2].error
+    np.testing.assert_array_equal(to_numpy(result.arrays)["w"], np.ones(3))
+
+
+def test_too_many_skipped_rounds_in_a_row_end_the_run_with_the_reasons():
+    strategy = make_strategy(OuterConfig())
+    strategy.set_min_updates(2)
+    with pytest.raises(NebulaError, match=r"3 rounds in a row had too few usable updates .*the trainer is gone"):
+        run(strategy, ScriptedGrid({1: "0", 2: "error"}), rounds=5)
+
+
+def test_a_supernode_replaced_mid_round_is_dropped_at_once_not_at_the_timeout():
+    strategy = make_strategy(OuterConfig())
+    grid = ScriptedGrid({1: "0", 2: "1"})
+    run(strategy, grid, rounds=1)
+    assert strategy.directory.clusters == {1: "0", 2: "1"}
+    # node 2's SuperNode dies holding round 2's message; it comes back as node 3, serving cluster 1
+    grid.script[2] = None
+    grid.late_nodes = {3: (time.monotonic() - grid.started + 0.5, "1")}
+    started = time.monotonic()
+    _, outcomes = run(strategy, grid, rounds=1, timeout=600.0)
+    assert time.monotonic() - started < 15
+    (outcome,) = outcomes
+    assert "replaced by node 3" in outcome.nodes[2].error and outcome.skipped is None
+    assert ("query", 3) in grid.kinds() and strategy.directory.clusters == {1: "0", 3: "1"}
+    assert strategy.directory.get(2) == "1"  # the drop is still recorded under its cluster
+    # the replaced node may still be listed as connected (until its heartbeat expires): it is never sent a round
+    before = len(grid.sent)
+    _, outcomes = run(strategy, grid, rounds=1)
+    assert sorted(n for kind, n in grid.kinds()[before:]) == [1, 3] and outcomes[0].skipped is None
+
+
+def test_nodes_are_identified_before_a_round_when_per_cluster_state_depends_on_it():
+    strategy = make_strategy(OuterConfig())
+    strategy.needs_identity = lambda: True
+    grid = ScriptedGrid({7: "4", 8: "5"})
+    run(strategy, grid, rounds=1)
+    kinds = grid.kinds()
+    assert kinds[:2] == [("query", 7), ("query", 8)] and ("train", 7) in kinds[2:]
+    assert strategy.directory.clusters == {7: "4", 8: "5"}
+    before = len(grid.sent)
+    run(strategy, grid, rounds=1)  # every node known now: no query again
+    assert all(kind == "train" for kind, _ in grid.kinds()[before:])
+
+
+def test_a_node_silent_long_after_the_others_is_sent_the_round_once_more(monkeypatch):
+    import nebula_fl.strategies.base as base
+
+    monkeypatch.setattr(base, "RESEND_AFTER_S", 0.3)
+    strategy = make_strategy(OuterConfig())
+    strategy.set_min_updates(2)
+    grid = ScriptedGrid({1: "1", 2: "lost-once"})
+    started = time.monotonic()
+    result, outcomes = run(strategy, grid, rounds=1)
+    assert time.monotonic() - started < 10
+    assert [n for kind, n in grid.kinds() if kind == "train"] == [1, 2, 2]  # one copy, to the silent node only
+    (outcome,) = outcomes
+    assert outcome.skipped is None and outcome.nodes[2].error is None
+    assert outcome.nodes[2].bytes_down > outcome.nodes[1].bytes_down  # the copy's bytes are counted
+    np.testing.assert_array_equal(to_numpy(result.arrays)["w"], np.ones(3))
