@@ -57,7 +57,8 @@ def test_a_sigkilled_launcher_leaves_no_process_of_its_tree(tmp_path):
         while time.monotonic() < deadline:  # record the tree while the orphan still hangs from it
             for proc in psutil.Process(launcher.pid).children(recursive=True):
                 try:
-                    seen.setdefault(proc.pid, (proc.create_time(), " ".join(proc.cmdline())))
+                    # the latest command line: a child caught between its fork and its exec shows its parent's
+                    seen[proc.pid] = (proc.create_time(), " ".join(proc.cmdline()))
                 except psutil.Error:
                     pass
             if sum(cmd == "sleep 300" for _, cmd in seen.values()) == 3:
