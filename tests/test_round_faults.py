@@ -145,3 +145,15 @@ def test_a_node_silent_long_after_the_others_is_sent_the_round_once_more(monkeyp
     assert outcome.skipped is None and outcome.nodes[2].error is None
     assert outcome.nodes[2].bytes_down > outcome.nodes[1].bytes_down  # the copy's bytes are counted
     np.testing.assert_array_equal(to_numpy(result.arrays)["w"], np.ones(3))
+
+
+def test_the_server_waits_for_every_cluster_asked_then_goes_on_with_a_quorum():
+    from nebula_fl.server.app import wait_for_clusters
+
+    grid = ScriptedGrid({1: "0"}, late_nodes={2: (0.6, "1")})
+    assert wait_for_clusters(grid, minimum=1, wanted=2, timeout=5) == [1, 2]  # waited for the late one
+    started = time.monotonic()
+    assert wait_for_clusters(ScriptedGrid({1: "0"}), minimum=1, wanted=2, timeout=0.5) == [1]
+    assert time.monotonic() - started < 3
+    with pytest.raises(NebulaError, match="only 1 of 2 clusters connected"):
+        wait_for_clusters(ScriptedGrid({1: "0"}), minimum=2, wanted=3, timeout=0.5)
