@@ -76,9 +76,6 @@ class NodeDirectory:
         self.clusters: dict[int, str] = {}
         self.retired: dict[int, str] = {}  # node -> its cluster, for nodes another node of that cluster replaced
 
-    def __contains__(self, node: int) -> bool:
-        return node in self.clusters
-
     def get(self, node: int) -> str | None:
         """The cluster `node` serves, or served before another node replaced it."""
         return self.clusters.get(node, self.retired.get(node))
@@ -130,11 +127,14 @@ class NebulaStrategy(Strategy):
         inner = getattr(self, "inner", None)
         return isinstance(inner, NebulaStrategy) and inner.needs_identity()
 
-    def learn_node(self, node: int, metrics: dict[str, Any]) -> None:
-        """Learn a node's cluster from a reply's metrics (its `cluster-id`), if it says."""
+    def learn_node(self, node: int, metrics: dict[str, Any]) -> list[int]:
+        """Learn a node's cluster from a reply's metrics (its `cluster-id`), if it says; returns the nodes it replaces."""
         cid = metrics.get("cluster-id")
-        if isinstance(cid, int | float) and not isinstance(cid, bool):
-            self.directory.learn(node, str(int(cid)))
+        if not isinstance(cid, int | float) or isinstance(cid, bool):
+            return []
+        if self.directory.get(node) != str(int(cid)):
+            log(INFO, "node %d serves cluster %d", node, int(cid))
+        return self.directory.learn(node, str(int(cid)))
 
     def node_of(self, reply: Message) -> int:
         """The cluster node a reply answers for, even when the SuperLink wrote it."""
@@ -257,15 +257,10 @@ class NebulaStrategy(Strategy):
         return {mid: m.metadata.dst_node_id for mid, m in zip(grid.push_messages(messages), messages) if mid}
 
     def _identified(self, node: int, reply: Message) -> list[int]:
-        """Record an identify reply; returns the nodes it replaces."""
+        """Learn from a reply (an identify answer or a round's): returns the nodes it replaces."""
         if reply.has_error() or "metrics" not in reply.content.metric_records:
             return []
-        cid = reply.content.metric_records["metrics"].get("cluster-id")
-        if not isinstance(cid, int | float) or isinstance(cid, bool):
-            return []
-        if self.directory.get(node) != str(int(cid)):
-            log(INFO, "node %d serves cluster %d", node, int(cid))
-        return self.directory.learn(node, str(int(cid)))
+        return self.learn_node(node, dict(reply.content.metric_records["metrics"]))
 
     def identify(self, grid: Grid, *, timeout: float, poll_interval: float) -> None:
         """Ask every connected node not yet matched to a cluster which one it serves (one query each)."""
@@ -321,9 +316,6 @@ class NebulaStrategy(Strategy):
                 log(INFO, "the run ends before round %d: %s", rnd, stop)
                 break
             replies, traffic = self.exchange(grid, messages, timeout=timeout, poll_interval=poll_interval)
-            for reply in replies:
-                if not reply.has_error() and "metrics" in reply.content.metric_records:
-                    self.learn_node(self.node_of(reply), dict(reply.content.metric_records["metrics"]))
             new_arrays, train_metrics = self.aggregate_train(rnd, replies)
             self.observe_traffic(traffic)
             skipped = None
