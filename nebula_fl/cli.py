@@ -34,6 +34,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wan", help="emulate the WAN per cluster, e.g. 20mbit:100ms or 20mbit:100ms,2mbit:300ms")
     p.add_argument("--run-config", help="any app config keys, as for flwr run: 'k=v k2=\"text\" ...'")
     p.add_argument("--port", type=int, default=8000, help="SuperLink port on 127.0.0.1 (0 picks a free one)")
+    p.add_argument("--secure-aggregation", action="store_true", default=None,
+                   help="mask every update so the server learns only their sum (sets secagg.enabled)")
     p.add_argument("--secure", action="store_true", default=None,
                    help="TLS and SuperNode authentication (certificates in RUN_DIR/certs; --resume keeps the setting)")
 

@@ -478,6 +478,55 @@ class PrivacyConfig(Section):
                      "set exactly one of them (the other stays \"auto\")")
 
 
+SECAGG_CODECS = ("none", "randk")  # linear uplink chains: every cluster sends the same coordinates
+
+
+@dataclass(kw_only=True, frozen=True)
+class SecAggConfig(Section):
+    """Secure aggregation (SecAgg+): the server learns only the sum of the clusters' updates."""
+
+    PREFIX: ClassVar[str] = "secagg"
+
+    enabled: bool = False
+    """Mask every update so that only the sum of a round's survivors can be unmasked."""
+    num_shares: int = 0
+    """Shares of each cluster's secrets, itself included (its neighbours + 1); 0 = every sampled cluster."""
+    threshold: int = 0
+    """Shares that rebuild a secret (and survivors a round needs); 0 = a majority of the shares + 1 (at least 2).
+    Must be more than half of the shares, so nobody can be asked for both kinds of a cluster's shares."""
+    clip: float = 0.0
+    """Each update coordinate is clipped to [-clip, clip] before it is encoded into the field; 0 = auto (1.0, or
+    with client-level DP the clipping norm plus six standard deviations of one cluster's noise share)."""
+    bits: int = 32
+    """Field size 2^bits (16..64, whole bytes): what each masked coordinate costs on the wire."""
+    max_weight: int = 100_000
+    """Largest weight (example count) a cluster contributes; a larger cluster counts as this many."""
+    timeout: float = 120.0
+    """Seconds each extra stage (key setup, unmasking) waits for the clusters; > 0, at most one day."""
+
+    def __post_init__(self) -> None:
+        _bool("secagg.enabled", self.enabled)
+        _int("secagg.num-shares", self.num_shares, low=0, high=10_000, fix="use 0 (all) or 3 or more")
+        _require(self.num_shares == 0 or self.num_shares >= 3, "secagg.num-shares", f"is {self.num_shares}",
+                 "use 0 (every sampled cluster) or 3 or more: fewer cannot survive a dropout")
+        _int("secagg.threshold", self.threshold, low=0, high=10_000, fix="use 0 (auto) or 2 or more")
+        _require(self.threshold != 1, "secagg.threshold", "is 1", "use 0 (auto) or 2 or more")
+        if self.num_shares and self.threshold:
+            _require(2 * self.threshold > self.num_shares and self.threshold <= self.num_shares, "secagg.threshold",
+                     f"is {self.threshold} with secagg.num-shares {self.num_shares}",
+                     "use more than half of the shares and at most all of them")
+        _real("secagg.clip", self.clip, low=0, high=1e12, fix="use a range > 0, or 0 for auto")
+        _int("secagg.bits", self.bits, low=16, high=64, fix="use 16, 24, 32, 40, 48, 56 or 64")
+        _require(self.bits % 8 == 0, "secagg.bits", f"is {self.bits}", "use 16, 24, 32, 40, 48, 56 or 64")
+        _int("secagg.max-weight", self.max_weight, low=1, high=MAX_EXAMPLES, fix=f"use 1 to {MAX_EXAMPLES}")
+        _real("secagg.timeout", self.timeout, low=0, high=DAY_S, low_open=True, fix="use seconds > 0, at most 86400")
+
+    def threshold_for(self, members: int) -> int:
+        """The threshold for `members` share holders (itself included) per cluster."""
+        holders = members if self.num_shares == 0 else min(self.num_shares, members)
+        return min(self.threshold or holders // 2 + 1, holders) if holders > 1 else 1
+
+
 @dataclass(kw_only=True, frozen=True)
 class RunConfig:
     """Everything a run needs, as one object; ``to_flat`` is exactly the Flower run config."""
@@ -489,6 +538,17 @@ class RunConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
+
+    def __post_init__(self) -> None:
+        if self.secagg.enabled:
+            chain = self.comm.codec.split("+")
+            _require(len(chain) == 1 and chain[0].split(":")[0] in SECAGG_CODECS, "comm.codec",
+                     f"is '{self.comm.codec}' with secure aggregation",
+                     "use 'none' or 'randk:RATIO' (linear: every cluster sends the same coordinates, so they sum; "
+                     "the field encoding, secagg.bits, is the quantizer)")
+            _require(not self.comm.adaptive, "comm.adaptive", "is true with secure aggregation",
+                     "turn it off: every cluster of a round must send the same coordinates")
 
     @classmethod
     def sections(cls) -> dict[str, type[Section]]:

@@ -73,6 +73,14 @@ BAD: dict[str, list] = {
     "comm.link-profiles": ["x", "0mbit:1ms", "20mbit:1e999s", "nanmbit:1ms", "20mbit:100ms\n", "x" * (2**20 + 1),
                            *TEXT_BAD],
     "comm.wan-control": ["a\x00b", "a\nb", "x" * (2**20 + 1), *TEXT_BAD],
+    # secure aggregation
+    "secagg.enabled": BOOL_BAD,
+    "secagg.num-shares": [-1, 1, 2, 10_001, *INT_BAD],
+    "secagg.threshold": [-1, 1, 10_001, *INT_BAD],
+    "secagg.clip": [-1.0, 1e13, *FLOAT_BAD],
+    "secagg.bits": [8, 12, 31, 72, *INT_BAD],
+    "secagg.max-weight": [0, -1, 10**9 + 1, *INT_BAD],
+    "secagg.timeout": [0, -1, 86_401, *FLOAT_BAD],
 }
 
 # The largest (or smallest) value each bound lets through: the bounds are generous, not tight.

@@ -4,7 +4,8 @@ Flower starts a fresh ``flwr-clientapp`` process for every message, so this modu
 and loads no model: it hands the global adapter and the round's config to the trainer named by the
 node config key ``trainer`` (its socket path) and returns the trainer's update and metrics. A
 ``query`` message asks the trainer who it is (the server maps node ids to clusters with it: node ids
-change when a SuperNode restarts, clusters do not).
+change when a SuperNode restarts, clusters do not); a ``query.secagg`` message carries one stage of
+secure aggregation (key setup, unmasking) to the trainer, which alone holds the cluster's keys.
 """
 
 from __future__ import annotations
@@ -68,3 +69,11 @@ def identify(msg: Message, context: Context) -> Message:
     metrics = {"cluster-id": int(reply["cluster_id"]), "num-examples": int(reply["num_examples"]),
                "workers": int(reply["workers"]), "privacy-mode": str(reply.get("privacy_policy", {}).get("mode", "off"))}
     return Message(RecordDict(_records(metrics)), reply_to=msg)
+
+
+@app.query("secagg")
+def secure_aggregation(msg: Message, context: Context) -> Message:
+    """One secure-aggregation stage: the request and the trainer's answer are small config records."""
+    asked = dict(msg.content.config_records["secagg"])
+    reply, _ = request(_socket(context), {"op": "secagg", "request": asked}, wait_s=TRAINER_WAIT_S)
+    return Message(RecordDict({"secagg": ConfigRecord(reply["reply"])}), reply_to=msg)

@@ -35,8 +35,9 @@ class PrivacyGate:
         policy.check_for(num_examples)
         self.policy, self.ledger, self.num_examples = policy, ledger, num_examples
 
-    def admit(self, config: dict[str, Any], *, world: int) -> Admission:
-        """The policy's and the budget's verdict on a round's config."""
+    def admit(self, config: dict[str, Any], *, world: int, secure_threshold: int | None = None) -> Admission:
+        """The policy's and the budget's verdict on a round's config (`secure_threshold`: the round's uploads are
+        masked by this cluster's secure-aggregation stage and unmasked only in sums of at least that many)."""
         try:
             asked = PrivacyConfig.from_flat(config)
             train = TrainConfig.from_flat(config)
@@ -45,7 +46,7 @@ class PrivacyGate:
                 mode=asked.mode, noise_multiplier=asked.noise_multiplier, target_epsilon=asked.target_epsilon,
                 max_epsilon=asked.max_epsilon, delta=asked.delta, max_grad_norm=asked.max_grad_norm,
                 client_sigma=float(config["privacy-sigma"]) if "privacy-sigma" in config else None,
-                noise_shares=int(config.get("privacy-noise-shares", 1)),
+                noise_shares=int(config.get("privacy-noise-shares", 1)), secure_threshold=secure_threshold,
             )
         except (ConfigError, TypeError, ValueError, OverflowError) as err:
             return refuse(f"the round's privacy request is malformed: {err}")

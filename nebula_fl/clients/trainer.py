@@ -361,12 +361,13 @@ class ClusterTrainer:
 
 
 def _privatize_update(update: Arrays, admission: Admission) -> tuple[Arrays, dict[str, Any]]:
-    """Client-level DP: clip the update to C and add N(0, (σ C)²) per entry, σ = this release's noise multiplier."""
+    """Client-level DP: clip the update to C and add N(0, (σ C)² / shares) per entry: σ is the noise multiplier of
+    what the server can see (this update alone, or under secure aggregation the sum of `shares` or more)."""
     from nebula_fl.privacy.client_dp import add_gaussian, clip_update
 
     clip = admission.max_grad_norm
     clipped, norm = clip_update(update, max_norm=clip)
-    std = admission.noise_multiplier * clip
+    std = admission.noise_multiplier * clip / math.sqrt(admission.noise_shares)
     rng = np.random.default_rng(secrets.randbits(128))  # fresh OS randomness for every release
     noisy = add_gaussian(clipped, std=std, rng=rng)
     return noisy, {"update-norm-before-clip": norm, "clipped": int(norm > clip), "noise-std": std}

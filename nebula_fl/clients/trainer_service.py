@@ -32,6 +32,7 @@ from typing import Any
 
 from nebula_fl.clients.protocol import TrainerListener, pack, socket_in_use, unpack
 from nebula_fl.clients.reply_cache import FEDERATION_ID, ReplyCache
+from nebula_fl.clients.secagg_stage import SecAggRefusal, SecAggStage
 from nebula_fl.data.datasets import TextDataset
 from nebula_fl.errors import NebulaError
 from nebula_fl.privacy.cluster_ledger import LEDGER_FILE, ClusterLedger
@@ -116,6 +117,7 @@ class Boundary:
         ledger = ClusterLedger(path=opts.state_dir / LEDGER_FILE, accountant=opts.policy.accountant)
         self.gate = PrivacyGate(policy=opts.policy, ledger=ledger, num_examples=len(opts.shard))
         self.cache = ReplyCache(root=opts.state_dir / "replies")
+        self.secagg = SecAggStage(state_dir=opts.state_dir, cluster_id=opts.cluster_id)
         self.jobs: queue.Queue = queue.Queue()
 
     # -- connections (threads) -------------------------------------------------------------------
@@ -162,6 +164,8 @@ class Boundary:
             try:
                 if op == "hello":
                     conn.send_bytes(pack({"ok": True, **self.describe()}))
+                elif op == "secagg":
+                    conn.send_bytes(self._secagg(header.get("request")))
                 else:
                     conn.send_bytes(pack({"ok": False, "error": f"unknown op {op!r}"}))
             except OSError:
@@ -172,6 +176,19 @@ class Boundary:
         return {"cluster_id": opts.cluster_id, "num_examples": len(opts.shard), "workers": opts.workers,
                 "device": opts.device, "label_counts": opts.shard.label_counts(),
                 "privacy_policy": opts.policy.to_dict()}
+
+    def _secagg(self, request: Any) -> bytes:
+        """A secure-aggregation setup or unmasking request (answered on the connection's thread)."""
+        if not isinstance(request, dict):
+            return self._error("the secure-aggregation request is not an object")
+        try:
+            reply = self.secagg.handle(request)
+        except (SecAggRefusal, ValueError, KeyError, TypeError) as err:
+            return self._error(f"secure aggregation ({request.get('stage')}): {err}")
+        if request.get("stage") in ("unmask", "recover"):
+            _log(self.opts, f"round {request.get('round')}: {request.get('stage')} answered "
+                            f"({len(reply.get('self-from', reply.get('key-from', [])))} share(s))")
+        return pack({"ok": True, "reply": reply})
 
     # -- rounds (the ranks' thread) --------------------------------------------------------------
     def _error(self, text: str) -> bytes:
@@ -202,7 +219,14 @@ class Boundary:
         if released and released[-1] > rnd:
             return self._error(f"round {rnd} of federation {fed} is older than round {released[-1]}, which this "
                                "cluster already released; it never trains the past again")
-        admission = self.gate.admit(config, world=self.opts.workers)
+        plan = None
+        if "secagg-epoch" in config:  # a securely aggregated round: checked before anything is trained
+            try:
+                plan = self.secagg.prepare(config)
+            except (SecAggRefusal, ValueError, KeyError, TypeError) as err:
+                return self._error(f"secure aggregation: {err}")
+        admission = self.gate.admit(config, world=self.opts.workers,
+                                    secure_threshold=None if plan is None else plan.threshold)
         if not admission.allowed:
             _log(self.opts, f"round {rnd} declined ({admission.refusal}): {admission.reason}")
             return pack({"ok": True, "metrics": self.gate.refusal(admission, federation=fed,
@@ -211,16 +235,35 @@ class Boundary:
         try:
             update, metrics = self.trainer.train_round(config, arrays, admission)
             self.gate.charge(federation=fed, server_round=rnd, admission=admission)
+            if plan is not None:
+                update = {"blob": self._masked(plan, config, update, admission)}
+                metrics["secagg-keys-held"] = int(self.secagg.holds_keys(fed, plan.epoch))
         except (RequestError, NebulaError) as err:
             return self._error(str(err))
         _log(self.opts, f"round {rnd}: loss {metrics['train-loss']:.4f}, {metrics['seconds']:.1f} s, "
                         f"rank divergence {metrics['rank-divergence']:g}")
-        if admission.mode != "off":  # only the noised update is private: figures computed from the data stay here
-            metrics = {k: v for k, v in metrics.items() if k not in DATA_DEPENDENT}
+        if admission.mode != "off" or plan is not None:
+            # only the noised (or masked) update is protected: figures computed from the data stay here, and
+            # under secure aggregation so does this cluster's weight (its example count)
+            hidden = DATA_DEPENDENT + (("num-examples",) if plan is not None else ())
+            metrics = {k: v for k, v in metrics.items() if k not in hidden}
         metrics.update(self.gate.metrics(admission, federation=fed))
         frame = pack({"ok": True, "metrics": metrics}, update)
         self.cache.put(fed, rnd, frame)
         return frame
+
+
+    def _masked(self, plan, config: dict[str, Any], update: dict[str, Any], admission) -> Any:
+        """The encoded update's coordinates (all of them, or random-k's), weighted, masked and packed."""
+        from nebula_fl.compression import Compressor
+        from nebula_fl.compression.randk import RandK
+
+        seed = int(config["codec-seed"])
+        dense = Compressor.decode(update["blob"].tobytes(), layout=self.trainer.layout, seed=seed)
+        first = self.trainer.up.stages[0]
+        values = dense[first.positions(dense.size, seed)] if isinstance(first, RandK) else dense
+        weight = 1 if admission.mode == "client" else min(len(self.opts.shard), plan.code.max_weight)
+        return self.secagg.mask(plan, values=values, weight=weight)
 
 
 def _lock_state_dir(state_dir: Path) -> int:

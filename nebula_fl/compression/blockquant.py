@@ -5,9 +5,10 @@ tensors); each block b gets a float32 scale s_b = max|x| / L (L = 127 for int8, 
 each element the integer q = floor(x / s_b + u) in [-L, L], u ~ U[0, 1) drawn from the codec's
 generator for the round's seed, so E[q s_b] = x and |q s_b - x| <= s_b.
 
-Two limits of finite arithmetic, both far below anything that matters for a model update:
-u carries 16 random bits, so E[q s_b] is x to within 2^-16 s_b; and a block whose max|x| is below
-2^-100 is sent as zeros (error <= 2^-100 there) rather than with a subnormal scale.
+Three limits of finite arithmetic, all far below anything that matters for a model update:
+u carries 16 random bits, so E[q s_b] is x to within 2^-16 s_b; float32 rounding of the scale and of
+x / s_b lets the error exceed s_b by less than 2^-15 s_b; and a block whose max|x| is below 2^-100 is
+sent as zeros (error <= 2^-100 there) rather than with a subnormal scale.
 
 Speed (one core): the work runs in cache-sized chunks; |x| and the block maxima use the float bits
 as integers (no NaN-aware float max), u comes from raw generator words, and ``floor(y + u)`` is a

@@ -28,6 +28,7 @@ FLAG_KEYS = {
     "partition": "partition",
     "seed": "seed",
     "codec": "comm.codec",
+    "secure_aggregation": "secagg.enabled",
 }
 RESUME_FLAGS = {"rounds", "port"}
 
@@ -167,7 +168,7 @@ def make_plan(args: Any) -> LaunchPlan:
 
 def _resume_plan(args: Any) -> LaunchPlan:
     given = [name for name in ("clusters", "local_steps", "outer_optimizer", "partition", "seed", "out", "run_config",
-                               "workers_per_cluster", "device", "preset", "codec", "wan", "secure")
+                               "workers_per_cluster", "device", "preset", "codec", "wan", "secure", "secure_aggregation")
              if getattr(args, name, None) is not None]
     if given:
         raise NebulaError(

@@ -156,6 +156,7 @@ class PrivacyRequest:
     max_grad_norm: float = 1.0
     client_sigma: float | None = None  # client mode: the server's σ for the sum
     noise_shares: int = 1  # client mode: into how many shares the noise of the sum is split
+    secure_threshold: int | None = None  # the round is securely aggregated: at least this many uploads are summed
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -174,6 +175,7 @@ class Admission:
     budget: float | None = None  # max ε at `delta`
     request_delta: float | None = None  # a stricter δ the server asked for, with its own budget
     request_budget: float | None = None
+    noise_shares: int = 1  # client mode: this cluster adds 1/noise_shares of the variance of noise_multiplier
 
 
 def refuse(reason: str) -> Admission:
@@ -203,6 +205,7 @@ def admit(
         return refuse(f"the server asks a budget of ε ≤ {request.max_epsilon:g}, more than this cluster's "
                       f"ε ≤ {policy.budget:g}")
     client = request.mode == "client"
+    shares = 1  # into how many shares this cluster's noise is split (client mode under secure aggregation)
     q, k = (1.0, 1) if client else (sample_rate, steps)
     # the σ the request implies for what leaves this cluster
     if client:
@@ -210,7 +213,12 @@ def admit(
             return refuse(f"the server asks client-level DP with noise multiplier {request.client_sigma!r}; it must be > 0")
         if request.noise_shares < 1:
             return refuse(f"the server asks the noise split into {request.noise_shares} shares; it must be 1 or more")
-        asked = request.client_sigma / math.sqrt(request.noise_shares)
+        if request.secure_threshold is not None and request.noise_shares <= request.secure_threshold:
+            # only sums of at least `secure_threshold` masked updates are ever unmasked, each carrying its
+            # share of the noise: what the server sees carries the full σ
+            asked, shares = request.client_sigma, request.noise_shares
+        else:  # seen on its own, this cluster's update carries only its share of the noise
+            asked = request.client_sigma / math.sqrt(request.noise_shares)
     elif request.noise_multiplier is not None:
         asked = request.noise_multiplier
     else:
@@ -220,7 +228,7 @@ def admit(
     if floor is None and policy.target_epsilon is not None:
         floor = derive_sigma(policy.target_epsilon, delta, q, planned_steps)
     if floor is not None and asked < floor * (1 - 1e-9):
-        what = f"σ/√shares = {request.client_sigma:g}/√{request.noise_shares}" if client else "σ"
+        what = "σ" if not client or shares > 1 else f"σ/√shares = {request.client_sigma:g}/√{request.noise_shares}"
         return refuse(f"the server asks {what} = {asked:.4g}, below this cluster's floor σ ≥ {floor:.4g}")
     if not math.isfinite(asked) or asked <= 0:
         return refuse(f"the server's request implies noise multiplier {asked!r}; DP needs a finite σ > 0")
@@ -233,4 +241,5 @@ def admit(
         delta=delta, budget=min(budgets) if budgets else None,
         request_delta=request.delta if stricter else None,
         request_budget=request.max_epsilon if stricter else None,
+        noise_shares=shares,
     )

@@ -30,6 +30,7 @@ from nebula_fl.strategies.adapter_strategy import to_numpy, to_record
 from nebula_fl.strategies.base import NebulaStrategy, RoundOutcome
 from nebula_fl.strategies.compression import CompressionWrapper
 from nebula_fl.strategies.privacy import PrivacyWrapper
+from nebula_fl.strategies.secure_aggregation import SecAggWrapper
 from nebula_fl.wan.profile import parse_profile
 
 # Keys that may differ between a run and its resumption; everything else must match.
@@ -40,7 +41,8 @@ app = ServerApp()
 
 def build_strategy(cfg: RunConfig, *, initial: dict[str, np.ndarray] | None = None) -> NebulaStrategy:
     """The outer-optimizer strategy, wrapped by compression (which also packs every message into one blob),
-    wrapped by privacy (refusals and stopped clusters; the accountant under client-level DP)."""
+    by secure aggregation when it is on, and by privacy (refusals and stopped clusters; the accountant under
+    client-level DP)."""
     inner = make_strategy(cfg.outer, clusters_per_round=cfg.federation.clusters_per_round, seed=cfg.federation.seed)
     profiles = [parse_profile(p.strip()) for p in cfg.comm.link_profiles.split(",") if p.strip()]
     # one profile is every cluster's link; several are clusters 0, 1, ... in order
@@ -55,10 +57,16 @@ def build_strategy(cfg: RunConfig, *, initial: dict[str, np.ndarray] | None = No
         bandwidth=BandwidthTracker(configured={k: p.up_bps for k, p in keyed.items()}),
         initial=initial,
     )
+    secure = None
+    if cfg.secagg.enabled:  # masks what compression encodes; the server unmasks only sums
+        secure = SecAggWrapper(compressed, cfg=cfg.secagg, codec=cfg.comm.codec,
+                               client_clip=cfg.privacy.max_grad_norm)
     # always present: with privacy off too, a cluster's own policy may refuse rounds, and the wrapper stops
     # sampling a cluster that refuses
-    strategy = PrivacyWrapper(compressed, cfg=cfg.privacy, num_rounds=cfg.federation.num_server_rounds,
+    strategy = PrivacyWrapper(secure or compressed, cfg=cfg.privacy, num_rounds=cfg.federation.num_server_rounds,
                               clusters=cfg.federation.min_clusters)
+    if secure is not None:
+        secure.client_sigma = strategy.sigma  # client-level DP: each cluster adds its share of this σ
     strategy.set_min_updates(cfg.federation.min_clusters)
     return strategy
 

@@ -143,17 +143,26 @@ class AdapterStrategy(NebulaStrategy):
             # too few to move the global adapter (min-clusters): the round is skipped, nothing changes
             return None, MetricRecord({"clusters": len(contributions)})
         weights = [c.weight for c in contributions]
-        mean = weighted_mean([c.update for c in contributions], weights)
-        self.current = self.outer_step(self.current, mean)
-        total = sum(weights)
         losses = [(c.weight, c.metrics.get("train-loss")) for c in contributions]
+        loss = (float(sum(w * x for w, x in losses) / sum(weights))
+                if all(isinstance(x, int | float) for _, x in losses) else None)
+        mean = weighted_mean([c.update for c in contributions], weights)
+        return self.apply_mean(mean, weight=sum(weights), count=len(contributions), train_loss=loss)
+
+    def apply_mean(self, mean: Arrays, *, weight: float, count: int,
+                   train_loss: float | None = None) -> tuple[ArrayRecord | None, MetricRecord]:
+        """One outer step from the weighted mean of `count` updates (averaged here, or unmasked as a sum)."""
+        if count < self.min_updates or self.current is None:
+            return None, MetricRecord({"clusters": count})
+        check_arrays(expected={k: v.shape for k, v in self.current.items()}, arrays=mean, what="mean update")
+        self.current = self.outer_step(self.current, mean)
         metrics = {
-            WEIGHT_KEY: int(total),
-            "clusters": len(contributions),
+            WEIGHT_KEY: int(weight),
+            "clusters": count,
             "update-norm": float(np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in mean.values()))),
         }
-        if all(isinstance(loss, int | float) for _, loss in losses):
-            metrics["train-loss"] = float(sum(w * loss for w, loss in losses) / total)
+        if train_loss is not None:
+            metrics["train-loss"] = train_loss
         return to_record(self.current), MetricRecord(metrics)
 
     def configure_evaluate(

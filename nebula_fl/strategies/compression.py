@@ -193,23 +193,20 @@ class CompressionWrapper(NebulaStrategy):
             self.rejected[node] = f"update cannot be decoded: {err}"
             log(WARNING, "dropped the reply of node %d: update cannot be decoded: %s", node, err)
             return None
-        self.directory.learn(node, cluster)
-        self.force_full.discard(cluster)
-        if node in self.pending:
-            self.views[cluster], self.view_rounds[cluster] = self.pending[node]
+        self.acknowledge(node, cluster)
         return make_message(
             metadata=reply.metadata,
             content=RecordDict({UPDATE_KEY: to_record(update), METRICS_KEY: MetricRecord(metrics)}),
         )
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        assert self.inner.current is not None
-        layout = Layout.from_arrays({k: self.inner.current[k] for k in sorted(self.inner.current)})
-        replies = list(replies)
-        decoded = [m for m in (self._decode_reply(r, layout) for r in replies) if m is not None]
-        answered = {self.node_of(r) for r in replies}
+    def acknowledge(self, node: int, cluster: str) -> None:
+        """`node` answered this round from the view it was sent: that view is now the cluster's."""
+        self.directory.learn(node, cluster)
+        self.force_full.discard(cluster)
+        if node in self.pending:
+            self.views[cluster], self.view_rounds[cluster] = self.pending[node]
+
+    def _forget_silent(self, answered: set[int], server_round: int) -> None:
         for node in set(self.pending) - answered:
             # no reply (timed out, or its SuperNode was replaced): the cluster may or may not have applied
             # this round's change, so its view is in doubt; the next round sends the change since the
@@ -218,6 +215,30 @@ class CompressionWrapper(NebulaStrategy):
             if cluster is not None and self.views.pop(cluster, None) is not None:
                 log(INFO, "cluster %s did not answer round %d: its next change is sent from the initial adapter",
                     cluster, server_round)
+
+    def layout(self) -> Layout:
+        assert self.inner.current is not None, "configure_train must run before aggregation"
+        return Layout.from_arrays({k: self.inner.current[k] for k in sorted(self.inner.current)})
+
+    def aggregate_sum(self, server_round: int, *, uploaded: dict[int, str], flat_mean: np.ndarray | None,
+                      weight: float, count: int) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """A securely aggregated round: the uploaders' views advance, the unmasked mean (flat, the layout's
+        order; None when the round could not be unmasked) goes to the outer optimizer."""
+        for node, cluster in uploaded.items():
+            self.acknowledge(node, cluster)
+        self._forget_silent(set(uploaded), server_round)
+        if flat_mean is None:
+            return None, MetricRecord({"clusters": 0})
+        return self.inner.apply_mean(self.layout().unflatten(flat_mean), weight=weight, count=count)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        assert self.inner.current is not None
+        layout = Layout.from_arrays({k: self.inner.current[k] for k in sorted(self.inner.current)})
+        replies = list(replies)
+        decoded = [m for m in (self._decode_reply(r, layout) for r in replies) if m is not None]
+        self._forget_silent({self.node_of(r) for r in replies}, server_round)
         self.inner.destinations = self.destinations
         self.inner.rejected = {}
         arrays, metrics = self.inner.aggregate_train(server_round, decoded)

@@ -180,7 +180,10 @@ class PrivacyWrapper(NebulaStrategy):
         return notes
 
     def round_summary(self) -> dict[str, Any]:
-        return {"privacy": self.server_ledger.metrics_entry()} if self.server_ledger is not None else {}
+        out = dict(self.inner.round_summary())
+        if self.server_ledger is not None:
+            out["privacy"] = self.server_ledger.metrics_entry()
+        return out
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         return self.inner.configure_evaluate(server_round, arrays, config, grid)

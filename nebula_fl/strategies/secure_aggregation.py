@@ -1,0 +1,399 @@
+"""Secure aggregation as a wrapper: the server unmasks only the sum of a round's surviving clusters.
+
+SecAgg+ (Bell et al. 2020) with its round trips cut to the bone. Once per key epoch (the first round,
+and again only when the sampled clusters change or a cluster's key had to be rebuilt), two setup
+trips: `keys` (each cluster's two public keys) and `share` (the members and their keys; each
+cluster returns its mask key's Shamir shares sealed to its neighbours, which this wrapper forwards
+inside the next train messages). Every round is then the plain round, in which each cluster uploads
+its masked (w·x, w) with its self-mask seed's shares sealed to its neighbours, plus one `unmask` trip
+in which survivors reveal the self-mask shares of survivors and the round keys of their pairwise
+masks with clusters that dropped before uploading. Only when a dropped cluster's neighbour dropped
+too after uploading is a fourth trip made (`recover`: that cluster's key shares), after which the
+cluster re-keys. A stage that leaves fewer than the threshold aborts the round (the global adapter
+stays) and the run goes on. Bytes and seconds of the extra stages are counted in the round's traffic.
+
+It sits outside compression (which sends the downlink and keeps each cluster's view) and inside
+privacy (refusals, the client-level accountant): under client-level DP it asks each cluster for
+1/threshold of the noise variance, so any sum that can be unmasked carries the full σ.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import time
+from collections.abc import Iterable
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from nebula_fl.compression import Compressor
+from nebula_fl.compression.randk import RandK
+from nebula_fl.config import SecAggConfig
+from nebula_fl.secagg import field, graph, shares
+from nebula_fl.secagg.field import FieldCode, FieldError
+from nebula_fl.secagg.masking import remove_masks
+from nebula_fl.secagg.masks import pair_sign, round_key
+from nebula_fl.secagg.shares import ShareError
+from nebula_fl.secagg.wire import unpack_upload
+from nebula_fl.strategies.adapter_strategy import CONFIG_KEY, METRICS_KEY, UPDATE_KEY
+from nebula_fl.strategies.base import NebulaStrategy, NodeTraffic
+from nebula_fl.strategies.compression import BLOB, CompressionWrapper
+
+STAGE_TYPE = "query.secagg"
+RECORD = "secagg"
+
+
+class StageFailed(Exception):
+    """A stage left too few clusters: the round aborts with this reason."""
+
+
+class SecAggWrapper(NebulaStrategy):
+    def __init__(self, inner: CompressionWrapper, *, cfg: SecAggConfig, codec: str,
+                 client_sigma: float | None = None, client_clip: float = 1.0) -> None:
+        super().__init__()
+        chain = codec.split("+")
+        if len(chain) != 1 or chain[0].split(":")[0] not in ("none", "randk"):
+            raise ValueError(f"secure aggregation needs a linear uplink codec ('none' or 'randk:RATIO'), got '{codec}'")
+        self.inner, self.cfg, self.codec = inner, cfg, codec
+        self.directory = inner.directory
+        self.client_sigma, self.client_clip = client_sigma, client_clip
+        self.epoch: dict[str, Any] | None = None  # id, members, c_pks, s_pks, threshold, neighbours, tokens, acked
+        self.rekey: set[str] = set()  # clusters whose mask key was rebuilt: a new epoch before they are sampled
+        self.grid: Grid | None = None
+        self.round: dict[str, Any] = {}  # this round: set, code, nodes, federation
+        self.extra: dict[int, NodeTraffic] = {}  # the extra stages' traffic, added to the round's
+        self.report: dict[str, Any] = {}
+
+    # -- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        epoch = None if self.epoch is None else {**self.epoch, "acked": sorted(self.epoch["acked"])}
+        return {"inner": self.inner.state_dict(), "epoch": epoch, "rekey": sorted(self.rekey)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state["inner"])
+        epoch = state.get("epoch")
+        self.epoch = None if epoch is None else {**epoch, "acked": set(epoch["acked"])}
+        self.rekey = set(state.get("rekey", []))
+
+    def needs_identity(self) -> bool:
+        """Masks are between clusters: every node must be matched to its cluster before it is sent a round."""
+        return True
+
+    def summary(self) -> None:
+        log(INFO, "\t├──> secure aggregation: shares %s, threshold %s, %d-bit field",
+            self.cfg.num_shares or "all", self.cfg.threshold or "auto", self.cfg.bits)
+        self.inner.summary()
+
+    # -- the extra stages ----------------------------------------------------------------------------
+    def _stage(self, nodes: dict[int, str], requests: dict[int, dict[str, Any]], *, what: str
+               ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        """Send one stage's requests; returns (cluster -> reply, cluster -> why it has none)."""
+        assert self.grid is not None
+        messages = [Message(content=RecordDict({RECORD: ConfigRecord(req)}), dst_node_id=node,
+                            message_type=STAGE_TYPE) for node, req in requests.items()]
+        outer = self.destinations
+        replies, traffic = self.exchange(self.grid, messages, timeout=self.cfg.timeout, poll_interval=0.2)
+        sent_to, self.destinations = self.destinations, outer
+        for node, t in traffic.items():
+            entry = self.extra.setdefault(node, NodeTraffic())
+            entry.bytes_down += t.bytes_down
+            entry.bytes_up += t.bytes_up
+        got: dict[str, dict[str, Any]] = {}
+        failed: dict[str, str] = {}
+        for reply in replies:
+            cluster = nodes.get(sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id))
+            if cluster is None:
+                continue
+            if reply.has_error():
+                failed[cluster] = reply.error.reason
+            elif RECORD not in reply.content.config_records:
+                failed[cluster] = f"its {what} reply holds no '{RECORD}' record"
+            else:
+                got[cluster] = dict(reply.content.config_records[RECORD])
+        for node, cluster in nodes.items():
+            if cluster not in got and cluster not in failed:
+                failed[cluster] = traffic.get(node, NodeTraffic()).error or f"no {what} reply"
+        for cluster, why in failed.items():
+            log(WARNING, "secure aggregation %s: cluster %s dropped: %s", what, cluster, why)
+        return got, failed
+
+    def _setup(self, nodes: dict[int, str], federation: str, server_round: int) -> None:
+        """A new key epoch over the round's clusters: public keys, then sealed key shares."""
+        started = time.monotonic()
+        epoch_id = f"r{server_round}-{secrets.token_hex(4)}"
+        base = {"federation-id": federation, "epoch": epoch_id}
+        got, _ = self._stage(nodes, {n: {**base, "stage": "keys"} for n in nodes}, what="key setup")
+        members = sorted(got, key=_order)
+        threshold = self.cfg.threshold_for(len(members))
+        if len(members) < max(2, threshold):
+            raise StageFailed(f"only {len(members)} cluster(s) answered the key setup; secure aggregation needs "
+                              f"at least {max(2, threshold)}")
+        c_pks = [str(got[c]["c-pk"]) for c in members]
+        s_pks = [str(got[c]["s-pk"]) for c in members]
+        request = {**base, "stage": "share", "members": members, "c-pks": c_pks, "s-pks": s_pks,
+                   "num-shares": self.cfg.num_shares, "threshold": threshold}
+        in_epoch = {n: c for n, c in nodes.items() if c in members}
+        shared, failed = self._stage(in_epoch, dict.fromkeys(in_epoch, request), what="share distribution")
+        if failed:
+            raise StageFailed(f"cluster(s) {sorted(failed)} failed the share distribution; keys are set up again "
+                              "next round")
+        tokens: dict[str, dict[str, str]] = {c: {} for c in members}  # holder -> sender -> sealed key share
+        for sender, reply in shared.items():
+            for holder, token in zip(reply.get("to", []), reply.get("tokens", [])):
+                if holder in tokens:
+                    tokens[holder][sender] = str(token)
+        self.epoch = {"id": epoch_id, "members": members, "c_pks": c_pks, "s_pks": s_pks, "threshold": threshold,
+                      "neighbours": {c: list(v) for c, v in
+                                     graph.neighbours(members, num_shares=self.cfg.num_shares, seed=epoch_id).items()},
+                      "tokens": tokens, "acked": set()}
+        self.rekey -= set(members)
+        self.report["setup_s"] = time.monotonic() - started
+        log(INFO, "secure aggregation: key epoch %s over %d clusters (threshold %d) in %.1f s", epoch_id,
+            len(members), threshold, self.report["setup_s"])
+
+    # -- a round ---------------------------------------------------------------------------------------
+    def _code(self, round_size: int) -> FieldCode:
+        clip = self.cfg.clip
+        if clip == 0:
+            # with client-level DP each share carries N(0, (σC)²/t) per coordinate: six of its standard deviations
+            # above the clipping norm leave ~2e-9 of coordinates clipped
+            assert self.epoch is not None
+            noise = 0.0 if self.client_sigma is None else self.client_sigma / np.sqrt(self.epoch["threshold"])
+            clip = 1.0 if self.client_sigma is None else self.client_clip * (1 + 6 * noise)
+        return FieldCode(bits=self.cfg.bits, clip=float(clip), max_weight=1 if self.client_sigma else self.cfg.max_weight,
+                         clusters=round_size)
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+                        ) -> Iterable[Message]:
+        self.grid, self.round, self.extra, self.report = grid, {}, {}, {}
+        messages = list(self.inner.configure_train(server_round, arrays, config, grid))
+        federation = str(config.get("federation-id", ""))
+        nodes: dict[int, str] = {}
+        for m in messages:
+            cluster = self.directory.get(m.metadata.dst_node_id)
+            if cluster is None:
+                self.rejected[m.metadata.dst_node_id] = "its cluster is not known yet; it cannot take part in masking"
+            else:
+                nodes[m.metadata.dst_node_id] = cluster
+        sampled = set(nodes.values())
+        try:
+            if self.epoch is None or sampled != set(self.epoch["members"]) or sampled & self.rekey:
+                self._setup(nodes, federation, server_round)
+        except StageFailed as why:
+            self._abort(server_round, str(why))
+            return []
+        assert self.epoch is not None
+        round_set = sorted(sampled & set(self.epoch["members"]), key=_order)
+        if len(round_set) < self.epoch["threshold"]:
+            self._abort(server_round, f"{len(round_set)} of the epoch's clusters sampled, fewer than the threshold "
+                                      f"{self.epoch['threshold']}")
+            return []
+        code = self._code(len(round_set))
+        self.round = {"set": round_set, "code": code, "nodes": {n: c for n, c in nodes.items() if c in round_set},
+                      "federation": federation}
+        out = []
+        for m in messages:
+            cluster = nodes.get(m.metadata.dst_node_id)
+            if cluster not in round_set:
+                continue
+            cfg = dict(m.content.config_records[CONFIG_KEY])
+            cfg.update({"secagg-epoch": self.epoch["id"], "secagg-round-set": round_set, "secagg-bits": code.bits,
+                        "secagg-clip": code.clip, "secagg-max-weight": code.max_weight})
+            if "privacy-sigma" in cfg:  # each cluster adds 1/t of the variance: every sum we can unmask has σ
+                cfg["privacy-noise-shares"] = int(self.epoch["threshold"])
+            if cluster not in self.epoch["acked"]:
+                held = self.epoch["tokens"].get(cluster, {})
+                cfg.update({"secagg-key-from": list(held), "secagg-key-tokens": list(held.values())})
+            records = {name: record for name, record in m.content.items() if name != CONFIG_KEY}
+            content = RecordDict({**records, CONFIG_KEY: ConfigRecord(cfg)})
+            out.append(Message(content=content, dst_node_id=m.metadata.dst_node_id,
+                               message_type=m.metadata.message_type))
+        return out
+
+    def _abort(self, server_round: int, why: str) -> None:
+        self.report["aborted"] = why
+        log(WARNING, "round %d: secure aggregation aborted the round: %s", server_round, why)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        self.inner.destinations = self.destinations
+        if not self.round:  # aborted before anything was sent
+            return self.inner.aggregate_sum(server_round, uploaded={}, flat_mean=None, weight=0, count=0)
+        uploads, uploaded = self._uploads(replies)
+        self.report.update(sampled=len(self.round["set"]), uploaded=len(uploads))
+        try:
+            flat_mean, weight = self._unmask(server_round, uploads)
+        except StageFailed as why:
+            self._abort(server_round, str(why))
+            flat_mean, weight = None, 0.0
+        self.inner.destinations = self.destinations
+        arrays, metrics = self.inner.aggregate_sum(server_round, uploaded=uploaded, flat_mean=flat_mean,
+                                                   weight=weight, count=len(uploads))
+        self.rejected.update(self.inner.rejected)
+        return arrays, metrics
+
+    def _uploads(self, replies: list[Message]) -> tuple[dict[str, tuple[np.ndarray, dict[str, str]]], dict[int, str]]:
+        """Each survivor's masked vector and sealed shares; a malformed upload drops its cluster here."""
+        assert self.epoch is not None
+        code = self.round["code"]
+        count = self._coordinates() + 1
+        uploads: dict[str, tuple[np.ndarray, dict[str, str]]] = {}
+        uploaded: dict[int, str] = {}
+        for reply in replies:
+            node = self.node_of(reply)
+            cluster = self.round["nodes"].get(node)
+            if cluster is None or reply.has_error():
+                continue
+            try:
+                metrics = dict(reply.content.metric_records[METRICS_KEY])
+                if str(int(metrics["cluster-id"])) != cluster:
+                    raise ValueError(f"it says it is cluster {metrics['cluster-id']}, not {cluster}")
+                blob = reply.content.array_records[UPDATE_KEY][BLOB].numpy()
+                masked, tokens = unpack_upload(blob)
+                vector = field.unpack(masked, bits=code.bits, count=count)
+                owed = {n for n in self.epoch["neighbours"][cluster] if n in self.round["set"]}
+                if set(tokens) != owed:
+                    raise ValueError(f"it sealed self-mask shares for {sorted(tokens)}, not for {sorted(owed)}")
+            except (KeyError, ValueError, TypeError, FieldError) as err:
+                self.rejected[node] = f"masked upload unusable: {err}"
+                log(WARNING, "round: dropped the masked upload of cluster %s: %s", cluster, err)
+                continue
+            uploads[cluster] = (vector, tokens)
+            uploaded[node] = cluster
+            if metrics.get("secagg-keys-held"):
+                self.epoch["acked"].add(cluster)
+        return uploads, uploaded
+
+    def _coordinates(self) -> int:
+        """How many coordinates each cluster masks: all of them, or random-k's."""
+        layout = self.inner.layout()
+        stage = Compressor(self.codec, layout=layout).stages[0]
+        return len(stage.positions(layout.size, self.inner.round_seed)) if isinstance(stage, RandK) else layout.size
+
+    def _unmask(self, server_round: int, uploads: dict[str, tuple[np.ndarray, dict[str, str]]]
+                ) -> tuple[np.ndarray, float]:
+        """The unmask trip (and, if needed, the recover trip); returns (flat mean update, Σw)."""
+        assert self.epoch is not None
+        started = time.monotonic()
+        epoch, code, t = self.epoch, self.round["code"], self.epoch["threshold"]
+        survivors = sorted(uploads, key=_order)
+        dropped = sorted(set(self.round["set"]) - set(uploads), key=_order)
+        if len(survivors) < t:
+            raise StageFailed(f"{len(survivors)} masked upload(s), fewer than the threshold {t}")
+        node_of = {c: n for n, c in self.round["nodes"].items()}
+        base = {"federation-id": self.round["federation"], "epoch": epoch["id"], "stage": "unmask",
+                "round": server_round, "survivors": survivors, "dropped": dropped}
+        requests = {}
+        for holder in survivors:
+            senders = [s for s in survivors if holder in uploads[s][1]]
+            requests[node_of[holder]] = {**base, "from": senders, "tokens": [uploads[s][1][holder] for s in senders]}
+        got, _ = self._stage({node_of[c]: c for c in survivors}, requests, what="unmasking")
+        seeds = []
+        for cluster in survivors:
+            pieces = [base64.b64decode(r["self-shares"][r["self-from"].index(cluster)])
+                      for r in got.values() if cluster in r.get("self-from", [])]
+            if len(pieces) < t:
+                raise StageFailed(f"{len(pieces)} share(s) of cluster {cluster}'s self mask came back, fewer than {t}")
+            try:
+                seeds.append(shares.combine(pieces[:t]))
+            except ShareError as err:
+                raise StageFailed(f"cluster {cluster}'s self mask cannot be rebuilt: {err}") from None
+        unreadable = {h: list(r["unreadable"]) for h, r in got.items() if r.get("unreadable")}
+        if unreadable:
+            self.report["unreadable"] = unreadable
+        for holder, reply in got.items():
+            if reply.get("unreadable"):
+                log(WARNING, "round %d: cluster %s could not open the self-mask shares of %s (tampered or sealed with "
+                    "another key); they were not counted", server_round, holder, reply["unreadable"])
+        orphans, missing = [], []
+        for gone in dropped:
+            for j in survivors:
+                if gone not in epoch["neighbours"][j]:
+                    continue
+                reply = got.get(j)
+                if reply is not None and gone in reply.get("pair-with", []):
+                    orphans.append((pair_sign(j, gone), base64.b64decode(reply["pair-keys"][reply["pair-with"].index(gone)])))
+                else:
+                    missing.append((j, gone))
+        if missing:
+            orphans += self._recover(server_round, missing, answered=set(got), node_of=node_of)
+        total = np.zeros(self._coordinates() + 1, dtype=np.uint64)
+        for vector, _ in uploads.values():
+            total = field.add(total, vector, code=code)
+        plain = remove_masks(total, code=code, self_seeds=seeds, orphan_pairs=orphans)
+        weighted, weight = field.decode_sum(plain, code=code)
+        if weight <= 0:
+            raise StageFailed(f"the unmasked weights sum to {weight}; an upload or a share was wrong")
+        mean = weighted / weight
+        layout = self.inner.layout()
+        stage = Compressor(self.codec, layout=layout).stages[0]
+        if isinstance(stage, RandK):
+            flat = np.zeros(layout.size, dtype=np.float32)
+            flat[stage.positions(layout.size, self.inner.round_seed)] = mean
+        else:
+            flat = mean.astype(np.float32)
+        self.report.update(unmask_s=time.monotonic() - started, survivors=len(survivors), dropped=dropped)
+        return flat, float(weight)
+
+    def _recover(self, server_round: int, missing: list[tuple[str, str]], *, answered: set[str],
+                 node_of: dict[str, int]) -> list[tuple[int, bytes]]:
+        """Rebuild the mask keys of dropped clusters whose pair keys nobody alive could reveal."""
+        assert self.epoch is not None
+        epoch, t = self.epoch, self.epoch["threshold"]
+        wanted = sorted({gone for _, gone in missing}, key=_order)
+        holders = sorted({h for g in wanted for h in epoch["neighbours"][g] if h in answered}, key=_order)
+        request = {"federation-id": self.round["federation"], "epoch": epoch["id"], "stage": "recover",
+                   "round": server_round}
+        got, _ = self._stage({node_of[h]: h for h in holders},
+                             {node_of[h]: {**request, "clusters": [g for g in wanted if g in epoch["neighbours"][h]]}
+                              for h in holders}, what="key recovery")
+        keys: dict[str, bytes] = {}
+        for gone in wanted:
+            pieces = [base64.b64decode(r["key-shares"][r["key-from"].index(gone)])
+                      for r in got.values() if gone in r.get("key-from", [])]
+            if len(pieces) < t:
+                raise StageFailed(f"{len(pieces)} key share(s) of dropped cluster {gone} came back, fewer than {t}")
+            try:
+                keys[gone] = shares.combine(pieces[:t])
+            except ShareError as err:
+                raise StageFailed(f"cluster {gone}'s mask key cannot be rebuilt: {err}") from None
+            self.rekey.add(gone)
+            log(INFO, "round %d: the mask key of cluster %s was rebuilt; it re-keys before it is sampled again",
+                server_round, gone)
+        members = epoch["members"]
+        out = []
+        for j, gone in missing:
+            secret = shares.pair_secret(keys[gone], epoch["s_pks"][members.index(j)].encode())
+            out.append((pair_sign(j, gone), round_key(secret, epoch=epoch["id"], server_round=server_round)))
+        self.report["recovered"] = wanted
+        return out
+
+    # -- pass-through ----------------------------------------------------------------------------------
+    def observe_traffic(self, traffic: dict[int, NodeTraffic]) -> None:
+        self.inner.observe_traffic(traffic)
+        for node, extra in self.extra.items():  # the extra stages' bytes are this round's too
+            entry = traffic.setdefault(node, NodeTraffic())
+            entry.bytes_down += extra.bytes_down
+            entry.bytes_up += extra.bytes_up
+
+    def round_notes(self) -> dict[str, dict[str, Any]]:
+        return self.inner.round_notes()
+
+    def round_summary(self) -> dict[str, Any]:
+        return {"secagg": dict(self.report), **self.inner.round_summary()}
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
+        return self.inner.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return self.inner.aggregate_evaluate(server_round, replies)
+
+
+def _order(cid: str) -> tuple[int, str]:
+    return (int(cid), cid) if cid.isascii() and cid.isdigit() else (1 << 62, cid)

@@ -1,0 +1,144 @@
+"""An in-process federation for secure-aggregation protocol tests: the real server wrapper stack and the
+real cluster stages, joined by a Grid that delivers Flower messages in memory (the transport is the only
+stand-in). Each cluster's update is a fixed vector it encodes with the round's codec, as its trainer would."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app.message.message import make_message
+
+from nebula_fl.clients.secagg_stage import SecAggRefusal, SecAggStage
+from nebula_fl.compression import Compressor, Layout
+from nebula_fl.compression.randk import RandK
+from nebula_fl.config import SecAggConfig
+from nebula_fl.strategies.compression import CompressionWrapper
+from nebula_fl.strategies.fedavg import AdapterFedAvg
+from nebula_fl.strategies.secure_aggregation import SecAggWrapper
+
+
+@dataclass
+class FakeCluster:
+    cid: int
+    stage: SecAggStage
+    update: dict[str, np.ndarray]
+    weight: int
+    drop_before_upload: set[int] = field(default_factory=set)  # rounds it never answers the train message
+    drop_after_upload: set[int] = field(default_factory=set)  # rounds it uploads, then goes silent
+    log: list[str] = field(default_factory=list)
+    tamper: Any = None  # a function (stage, request) -> request, to corrupt what it is sent
+
+    def answer(self, msg: Message, layout: Layout) -> Message | None:
+        kind = msg.metadata.message_type
+        rnd_cfg = dict(msg.content.config_records["config"]) if "config" in msg.content.config_records else {}
+        rnd = rnd_cfg.get("server-round")
+        if kind == "query":
+            return Message(RecordDict({"metrics": MetricRecord({"cluster-id": self.cid})}), reply_to=msg)
+        if kind == "train":
+            if rnd in self.drop_before_upload:
+                return None
+            return self._train(msg, rnd_cfg, layout)
+        request = dict(msg.content.config_records["secagg"])
+        if request.get("stage") in ("unmask", "recover") and request.get("round") in self.drop_after_upload:
+            return None
+        if self.tamper is not None:
+            request = self.tamper(self, request)
+        try:
+            reply = self.stage.handle(request)
+        except SecAggRefusal as err:
+            self.log.append(str(err))
+            return _error(msg, str(err))
+        return Message(RecordDict({"secagg": ConfigRecord(reply)}), reply_to=msg)
+
+    def _train(self, msg: Message, cfg: dict[str, Any], layout: Layout) -> Message:
+        try:
+            plan = self.stage.prepare(cfg)
+        except SecAggRefusal as err:
+            self.log.append(str(err))
+            return _error(msg, str(err))
+        seed = int(cfg["codec-seed"])
+        flat = layout.flatten(self.update)
+        comp = Compressor(str(cfg["codec-up"]), layout=layout)
+        dense = Compressor.decode(comp.encode(flat, seed=seed), layout=layout, seed=seed)
+        first = comp.stages[0]
+        values = dense[first.positions(dense.size, seed)] if isinstance(first, RandK) else dense
+        blob = self.stage.mask(plan, values=values, weight=self.weight)
+        content = RecordDict({
+            "update": ArrayRecord({"blob": Array(blob)}),
+            "metrics": MetricRecord({"cluster-id": self.cid, "secagg-keys-held":
+                                     int(self.stage.holds_keys(plan.federation, plan.epoch))}),
+        })
+        return Message(content, reply_to=msg)
+
+
+def _error(msg: Message, reason: str) -> Message:
+    from flwr.app import Error
+
+    return Message(Error(code=0, reason=reason), reply_to=msg)
+
+
+class FakeGrid:
+    """push/pull/get_node_ids over in-memory clusters (node id = 100 + cluster id)."""
+
+    def __init__(self, clusters: list[FakeCluster], layout: Layout) -> None:
+        self.clusters = {100 + c.cid: c for c in clusters}
+        self.layout = layout
+        self.replies: dict[str, Message] = {}
+        self.ids = itertools.count(1)
+        self.sent: list[Message] = []
+
+    def get_node_ids(self):
+        return list(self.clusters)
+
+    def push_messages(self, messages):
+        out = []
+        for m in messages:
+            mid = f"m{next(self.ids)}"
+            m.metadata.__dict__["_message_id"] = mid
+            stamped = make_message(metadata=m.metadata, content=m.content)
+            self.sent.append(stamped)
+            reply = self.clusters[m.metadata.dst_node_id].answer(stamped, self.layout)
+            if reply is not None:
+                reply.metadata.__dict__["_src_node_id"] = m.metadata.dst_node_id
+                reply.metadata.__dict__["_reply_to_message_id"] = mid
+                self.replies[mid] = reply
+            out.append(mid)
+        return out
+
+    def pull_messages(self, ids):
+        return [self.replies.pop(i) for i in list(ids) if i in self.replies]
+
+
+def make_federation(tmp: Path, *, n: int, shapes: dict[str, tuple[int, ...]], codec: str = "none",
+                    cfg: SecAggConfig | None = None, seed: int = 0, weights: list[int] | None = None):
+    rng = np.random.default_rng(seed)
+    layout = Layout.from_shapes(shapes)
+    initial = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    clusters = [FakeCluster(cid=i, stage=SecAggStage(state_dir=tmp / f"c{i}", cluster_id=i),
+                            update={k: rng.normal(0, 0.01, s).astype(np.float32) for k, s in shapes.items()},
+                            weight=(weights or [10 * (i + 1) for i in range(n)])[i])
+                for i in range(n)]
+    inner = AdapterFedAvg(lr=1.0)
+    compressed = CompressionWrapper(inner, codec_up=codec, codec_down="none", seed=seed, initial=initial)
+    wrapper = SecAggWrapper(compressed, cfg=cfg or SecAggConfig(enabled=True), codec=codec)
+    wrapper.set_min_updates(1)
+    return wrapper, clusters, FakeGrid(clusters, layout), layout, initial
+
+
+def run_round(wrapper: SecAggWrapper, grid: FakeGrid, rnd: int, arrays: dict[str, np.ndarray]):
+    """configure, deliver, aggregate one round as the loop does; returns (new arrays or None, metrics)."""
+    from nebula_fl.strategies.adapter_strategy import to_record
+
+    wrapper.identify(grid, timeout=5, poll_interval=0.01)
+    config = ConfigRecord({"federation-id": "fed1", "server-round": rnd})
+    messages = wrapper.configure_train(rnd, to_record(arrays), config, grid)
+    replies, traffic = wrapper.exchange(grid, messages, timeout=2, poll_interval=0.01)
+    wrapper.inner.destinations = wrapper.destinations
+    result = wrapper.aggregate_train(rnd, replies)
+    wrapper.observe_traffic(traffic)
+    return result, traffic

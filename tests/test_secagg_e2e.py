@@ -1,0 +1,58 @@
+"""Secure aggregation end to end on real Flower processes: 3 clusters, 3 rounds, random-k, the tiny model.
+
+The same run without secure aggregation (same seed) is the reference: masking, the field encoding and the
+extra unmask trip must not change what the federation learns beyond the encoding's rounding."""
+
+import json
+
+import pytest
+
+from tests.test_e2e import smoke_args
+
+ARGS = ("--clusters", "3", "--rounds", "3", "--codec", "randk:0.25")
+
+
+def records(out):
+    summary = json.loads((out / "summary.json").read_text())
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return summary, lines
+
+
+def test_secure_aggregation_learns_what_the_plain_run_learns(tiny_model, run_cli, tmp_path):
+    plain, secure = tmp_path / "plain", tmp_path / "secure"
+    # side by side: both wait on Flower's polling far more than they compute
+    a = run_cli(*smoke_args(tiny_model, plain, *ARGS), name="plain")
+    b = run_cli(*smoke_args(tiny_model, secure, *ARGS, "--secure-aggregation"), name="secure")
+    assert a.wait(500) == 0, a.output()[-3000:]
+    assert b.wait(500) == 0, b.output()[-3000:]
+    assert b.survivors() == []
+    (ps, _), (ss, lines) = records(plain), records(secure)
+    assert ss["status"] == "completed" and ss["rounds_completed"] == 3 and not ss["skipped_rounds"]
+    assert abs(ss["final_accuracy"] - ps["final_accuracy"]) <= 0.005
+    assert [x["secagg"]["survivors"] for x in lines] == [3, 3, 3]
+    assert "setup_s" in lines[0]["secagg"] and all("setup_s" not in x["secagg"] for x in lines[1:])
+    for line in lines:  # the server never saw a cluster's loss or weight
+        assert line["train_loss"] is None and line["clusters_aggregated"] == 3
+        for cluster in line["clusters"].values():
+            assert "train_loss" not in cluster and "num_examples" not in cluster
+    for cid in "012":
+        state = next((secure / "clusters" / cid / "state" / "secagg").glob("*.json"))
+        assert state.stat().st_mode & 0o077 == 0  # the cluster's private keys: its eyes only
+
+
+def test_secure_aggregation_with_client_level_dp_splits_the_noise_into_threshold_shares(tiny_model, run_cli, tmp_path):
+    out = tmp_path / "dp"
+    dp = 'privacy.mode="client" privacy.noise-multiplier=0.5 privacy.max-grad-norm=0.5'
+    args = list(smoke_args(tiny_model, out, *ARGS, "--secure-aggregation"))
+    args[args.index("--run-config") + 1] += " " + dp
+    cli = run_cli(*args, name="secure-dp")
+    assert cli.wait(400) == 0, cli.output()[-3000:]
+    summary, lines = records(out)
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 3
+    assert [x["privacy"]["noise_multiplier"] for x in lines] == [0.5, 0.5, 0.5]
+    assert summary["privacy"]["client"]["epsilon"] == pytest.approx(lines[-1]["privacy"]["epsilon"])
+    for cid in "012":  # each cluster accounted the sum's σ, having added 1/threshold of its variance
+        ledger = [json.loads(x) for x in (out / "clusters" / cid / "state" / "privacy-ledger.jsonl").read_text().splitlines()]
+        assert [e["noise_multiplier"] for e in ledger] == [0.5, 0.5, 0.5] and {e["mode"] for e in ledger} == {"client"}
+    log = (out / "logs").glob("trainer-*.log")
+    assert any("unmask answered" in p.read_text() for p in log)

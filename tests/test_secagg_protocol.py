@@ -1,0 +1,237 @@
+"""Secure aggregation, the whole protocol in process: the real server wrapper and the real cluster stages,
+joined by an in-memory grid (tests/secagg_harness.py). References are computed here with NumPy from each
+cluster's own update: the server must end with exactly the weighted mean of the uploads it may sum."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from nebula_fl.clients.secagg_stage import SecAggRefusal, SecAggStage
+from nebula_fl.compression import Compressor
+from nebula_fl.config import SecAggConfig
+from nebula_fl.privacy.policy import PrivacyPolicy, PrivacyRequest, admit
+from nebula_fl.secagg.reveal import RevealLog, refuse_recover, refuse_unmask
+from tests.secagg_harness import make_federation, run_round
+
+SHAPES = {"a": (60,), "b": (5, 8)}
+
+
+def fast(**kw) -> SecAggConfig:
+    return SecAggConfig(enabled=True, timeout=0.5, **kw)
+
+
+def expected_mean(wrapper, clusters, layout, codec, uploaders):
+    seed = wrapper.inner.round_seed
+    ws = np.array([c.weight for c in clusters if c.cid in uploaders], dtype=np.float64)
+    ups = [Compressor.decode(Compressor(codec, layout=layout).encode(layout.flatten(c.update), seed=seed),
+                             layout=layout, seed=seed).astype(np.float64) for c in clusters if c.cid in uploaders]
+    return sum(w * u for w, u in zip(ws, ups)) / ws.sum(), ws.sum()
+
+
+def flat_of(arrays, layout):
+    return layout.flatten({k: v.numpy() for k, v in arrays.items()})
+
+
+def check_round(wrapper, clusters, grid, layout, initial, rnd, codec, uploaders):
+    (arrays, metrics), _ = run_round(wrapper, grid, rnd, initial)
+    assert arrays is not None, wrapper.report
+    ref, total = expected_mean(wrapper, clusters, layout, codec, uploaders)
+    code = wrapper.round["code"]
+    # each upload is rounded by at most one step of w·x: the mean is off by at most n·step/Σw
+    bound = len(uploaders) * code.step / total
+    assert np.abs(flat_of(arrays, layout) - ref).max() <= bound * 1.01
+    assert metrics["clusters"] == len(uploaders) and metrics["num-examples"] == total
+    return arrays
+
+
+@pytest.mark.parametrize("n", [3, 5, 8])
+@pytest.mark.parametrize("codec", ["none", "randk:0.25"])
+def test_the_unmasked_sum_is_the_weighted_mean_of_every_upload(tmp_path, n, codec):
+    wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=n, shapes=SHAPES, codec=codec, cfg=fast())
+    check_round(wrapper, clusters, grid, layout, initial, 1, codec, set(range(n)))
+    epoch = wrapper.epoch["id"]
+    check_round(wrapper, clusters, grid, layout, initial, 2, codec, set(range(n)))
+    assert wrapper.epoch["id"] == epoch, "keys are agreed once, not every round"
+    assert all(not c.log for c in clusters)
+
+
+def test_weights_are_summed_exactly_and_never_sent_in_the_clear(tmp_path):
+    wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=3, shapes=SHAPES, cfg=fast(),
+                                                               weights=[7, 1000, 333])
+    check_round(wrapper, clusters, grid, layout, initial, 1, "none", {0, 1, 2})
+    uploads = [m for m in grid.sent if m.metadata.message_type == "train"]
+    assert uploads and all("num-examples" not in dict(m.content.config_records["config"]) for m in uploads)
+
+
+@pytest.mark.parametrize("drops", [1, 2])
+def test_clusters_that_drop_before_uploading_leave_the_sum_of_the_others(tmp_path, drops):
+    wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=5, shapes=SHAPES, cfg=fast())
+    assert wrapper.cfg.threshold_for(5) == 3  # 5 - 3 = 2 may drop
+    check_round(wrapper, clusters, grid, layout, initial, 1, "none", set(range(5)))
+    for c in clusters[:drops]:
+        c.drop_before_upload.add(2)
+    check_round(wrapper, clusters, grid, layout, initial, 2, "none", set(range(drops, 5)))
+    assert not wrapper.rekey, "a survivor revealed only that round's pair keys: no key was rebuilt"
+
+
+@pytest.mark.parametrize("drops", [1, 2])
+def test_clusters_that_drop_after_uploading_still_count(tmp_path, drops):
+    wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=5, shapes=SHAPES, cfg=fast())
+    for c in clusters[:drops]:
+        c.drop_after_upload.add(1)
+    check_round(wrapper, clusters, grid, layout, initial, 1, "none", set(range(5)))
+    assert wrapper.report["survivors"] == 5
+
+
+def test_more_dropouts_than_the_threshold_allows_abort_the_round_and_the_next_one_runs(tmp_path):
+    wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=5, shapes=SHAPES, cfg=fast())
+    for c in clusters[:3]:
+        c.drop_before_upload.add(1)
+    (arrays, _), _ = run_round(wrapper, grid, 1, initial)
+    assert arrays is None and "fewer than the threshold 3" in wrapper.report["aborted"]
+    for c in clusters[:3]:
+        c.drop_after_upload.add(2)  # they upload, then none of them helps unmask
+    (arrays, _), _ = run_round(wrapper, grid, 2, initial)
+    assert arrays is None and "fewer than 3" in wrapper.report["aborted"]
+    check_round(wrapper, clusters, grid, layout, initial, 3, "none", set(range(5)))
+
+
+def test_a_dropped_cluster_whose_pair_keys_nobody_can_reveal_has_its_key_rebuilt_and_re_keys(tmp_path):
+    wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=5, shapes=SHAPES, cfg=fast())
+    clusters[0].drop_before_upload.add(1)  # 0 never uploads ...
+    clusters[1].drop_after_upload.add(1)  # ... and 1, who masked with 0, uploads and vanishes
+    check_round(wrapper, clusters, grid, layout, initial, 1, "none", {1, 2, 3, 4})
+    assert wrapper.report["recovered"] == ["0"] and wrapper.rekey == {"0"}
+    epoch = wrapper.epoch["id"]
+    check_round(wrapper, clusters, grid, layout, initial, 2, "none", set(range(5)))
+    assert wrapper.epoch["id"] != epoch and not wrapper.rekey, "cluster 0 re-keyed before it was sampled again"
+
+
+def test_a_key_is_never_rebuilt_once_a_self_mask_share_of_it_was_revealed(tmp_path):
+    wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=5, shapes=SHAPES, cfg=fast())
+    check_round(wrapper, clusters, grid, layout, initial, 1, "none", set(range(5)))  # 0's self mask revealed
+    clusters[0].drop_before_upload.add(2)
+    clusters[1].drop_after_upload.add(2)
+    (arrays, _), _ = run_round(wrapper, grid, 2, initial)
+    assert arrays is None and "key share" in wrapper.report["aborted"]
+    assert any("self-mask share of cluster(s) ['0'] was revealed" in line for c in clusters for line in c.log)
+    check_round(wrapper, clusters, grid, layout, initial, 3, "none", set(range(5)))
+
+
+def test_a_tampered_share_is_detected_and_not_counted(tmp_path):
+    wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=5, shapes=SHAPES, cfg=fast())
+
+    def flip(cluster, request):
+        if request.get("stage") == "unmask" and request.get("tokens"):
+            token = bytearray(request["tokens"][0].encode())
+            token[40] ^= 1
+            request = {**request, "tokens": [token.decode(errors="replace"), *request["tokens"][1:]]}
+        return request
+
+    clusters[2].tamper = flip
+    check_round(wrapper, clusters, grid, layout, initial, 1, "none", set(range(5)))  # the other holders suffice
+    assert list(wrapper.report["unreadable"]) == ["2"] and len(wrapper.report["unreadable"]["2"]) == 1
+
+
+def test_a_share_sealed_with_another_key_is_refused(tmp_path):
+    wrapper, clusters, grid, _layout, initial = make_federation(tmp_path, n=3, shapes=SHAPES, cfg=fast())
+
+    def swap(cluster, request):  # forward to this holder the share another holder was meant to get
+        if request.get("stage") == "unmask" and len(request.get("tokens", [])) >= 2:
+            request = {**request, "tokens": list(reversed(request["tokens"]))}
+        return request
+
+    for c in clusters:
+        c.tamper = swap
+    (arrays, _), _ = run_round(wrapper, grid, 1, initial)
+    assert arrays is None and "fewer than 2" in wrapper.report["aborted"]
+
+
+def _set_up_stage(tmp_path, n=3):
+    wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=n, shapes=SHAPES, cfg=fast())
+    check_round(wrapper, clusters, grid, layout, initial, 1, "none", set(range(n)))
+    unmasks = [dict(m.content.config_records["secagg"]) for m in grid.sent
+               if m.metadata.message_type == "query.secagg" and m.metadata.dst_node_id == 100
+               and dict(m.content.config_records["secagg"]).get("stage") == "unmask"]
+    return clusters, unmasks[-1]
+
+
+def test_a_replayed_unmask_request_gets_the_same_answer_and_a_changed_one_is_refused(tmp_path):
+    clusters, request = _set_up_stage(tmp_path)
+    stage = clusters[0].stage
+    first = stage.handle(dict(request))
+    assert stage.handle(dict(request)) == first
+    with pytest.raises(SecAggRefusal, match="unmasked already"):
+        stage.handle({**request, "survivors": ["0", "1"], "dropped": ["2"]})
+    with pytest.raises(SecAggRefusal, match="did not upload round 5"):
+        stage.handle({**request, "round": 5})
+
+
+def test_a_server_asking_for_both_halves_of_a_secret_is_refused(tmp_path):
+    log = RevealLog()
+    assert "both survived and dropped" in refuse_unmask(log, server_round=1, survivors={"0", "1"}, dropped={"1"})
+    log.self_shares[1], log.dropped[2], log.pair_keys[3] = {"1"}, {"1"}, {"2"}
+    assert "self-mask share of cluster(s) ['1']" in refuse_recover(log, server_round=2, clusters={"1"})
+    assert "unmasked the other way" in refuse_unmask(log, server_round=3, survivors={"2"}, dropped=set())
+    assert "unmasked the other way" in refuse_unmask(log, server_round=1, survivors=set(), dropped={"1"})
+    log.key_shares = {"4"}
+    assert "key of cluster(s) ['4'] was revealed" in refuse_unmask(log, server_round=5, survivors={"4"}, dropped=set())
+    assert refuse_unmask(log, server_round=5, survivors={"0"}, dropped={"4"}) is None
+
+    clusters, request = _set_up_stage(tmp_path)  # on a real stage: round 1 unmasked, 1 survived
+    stage = clusters[0].stage
+    recover = {k: request[k] for k in ("federation-id", "epoch")}
+    with pytest.raises(SecAggRefusal, match="did not drop out of round 1"):
+        stage.handle({**recover, "stage": "recover", "round": 1, "clusters": ["1"]})
+    assert stage.state_dict()["fed1"]["epochs"][request["epoch"]]["log"]["key_shares"] == []
+
+
+def test_a_restarted_cluster_keeps_its_keys_and_its_promises(tmp_path):
+    clusters, request = _set_up_stage(tmp_path)
+    first = clusters[0].stage.handle(dict(request))
+    again = SecAggStage(state_dir=tmp_path / "c0", cluster_id=0)  # a new process on the same state folder
+    assert again.handle(dict(request)) == first
+    with pytest.raises(SecAggRefusal, match="unmasked already"):
+        again.handle({**request, "survivors": ["0", "1"], "dropped": ["2"]})
+    assert (tmp_path / "c0" / "secagg" / "fed1.json").stat().st_mode & 0o077 == 0
+
+
+def test_a_resumed_server_keeps_the_epoch(tmp_path):
+    wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=3, shapes=SHAPES, cfg=fast())
+    check_round(wrapper, clusters, grid, layout, initial, 1, "none", {0, 1, 2})
+    state = wrapper.state_dict()
+    fresh, _, _, _, _ = make_federation(tmp_path / "other", n=3, shapes=SHAPES, cfg=fast())
+    fresh.load_state_dict(state)
+    fresh.inner.views = {}
+    check_round(fresh, clusters, grid, layout, initial, 2, "none", {0, 1, 2})
+    assert fresh.epoch["id"] == wrapper.epoch["id"]
+
+
+def test_under_secure_aggregation_a_cluster_adds_its_share_of_the_noise_and_judges_the_sum():
+    policy = PrivacyPolicy(mode="client", min_noise_multiplier=1.0)
+    kw = dict(num_examples=100, sample_rate=1.0, steps=1, planned_steps=3, derive_sigma=None)
+    secure = admit(policy, PrivacyRequest(mode="client", client_sigma=1.0, noise_shares=3, secure_threshold=3), **kw)
+    assert secure.allowed and secure.noise_multiplier == 1.0 and secure.noise_shares == 3
+    # more shares than the threshold: a sum of only t uploads would carry less than σ; judged per share
+    more = admit(policy, PrivacyRequest(mode="client", client_sigma=1.0, noise_shares=4, secure_threshold=3), **kw)
+    assert not more.allowed and "below this cluster's floor" in more.reason
+    # without secure aggregation a split noise is seen on its own: refused
+    plain = admit(policy, PrivacyRequest(mode="client", client_sigma=1.0, noise_shares=3), **kw)
+    assert not plain.allowed and math.isclose(1 / math.sqrt(3), float(plain.reason.split("= ")[2].split(",")[0]),
+                                              rel_tol=1e-3)
+
+
+def test_secure_aggregation_refuses_at_start_what_it_cannot_sum():
+    from nebula_fl.config import ConfigError, RunConfig
+
+    for codec in ("topk:0.1", "int8", "lowrank:4", "randk:0.1+int8"):
+        with pytest.raises(ConfigError, match="'none' or 'randk:RATIO'"):
+            RunConfig().replace({"secagg.enabled": True, "comm.codec": codec})
+    with pytest.raises(ConfigError, match="comm.adaptive"):
+        RunConfig().replace({"secagg.enabled": True, "comm.codec": "randk:0.1", "comm.adaptive": True})
+    with pytest.raises(ConfigError, match="more than half of the shares"):
+        RunConfig().replace({"secagg.enabled": True, "secagg.num-shares": 5, "secagg.threshold": 2})
+    assert RunConfig().replace({"secagg.enabled": True, "comm.codec": "randk:0.1"}).secagg.threshold_for(8) == 5
