@@ -230,7 +230,7 @@ def test_secure_aggregation_refuses_at_start_what_it_cannot_sum():
     for codec in ("topk:0.1", "int8", "lowrank:4", "randk:0.1+int8"):
         with pytest.raises(ConfigError, match="'none' or 'randk:RATIO'"):
             RunConfig().replace({"secagg.enabled": True, "comm.codec": codec})
-    with pytest.raises(ConfigError, match="comm.adaptive"):
+    with pytest.raises(ConfigError, match=r"comm\.adaptive"):
         RunConfig().replace({"secagg.enabled": True, "comm.codec": "randk:0.1", "comm.adaptive": True})
     with pytest.raises(ConfigError, match="more than half of the shares"):
         RunConfig().replace({"secagg.enabled": True, "secagg.num-shares": 5, "secagg.threshold": 2})
