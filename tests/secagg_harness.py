@@ -30,6 +30,7 @@ class FakeCluster:
     weight: int
     drop_before_upload: set[int] = field(default_factory=set)  # rounds it never answers the train message
     drop_after_upload: set[int] = field(default_factory=set)  # rounds it uploads, then goes silent
+    silent_stages: set[str] = field(default_factory=set)  # setup / unmask stages it never answers
     log: list[str] = field(default_factory=list)
     tamper: Any = None  # a function (stage, request) -> request, to corrupt what it is sent
 
@@ -45,6 +46,8 @@ class FakeCluster:
             return self._train(msg, rnd_cfg, layout)
         request = dict(msg.content.config_records["secagg"])
         if request.get("stage") in ("unmask", "recover") and request.get("round") in self.drop_after_upload:
+            return None
+        if request.get("stage") in self.silent_stages:
             return None
         if self.tamper is not None:
             request = self.tamper(self, request)

@@ -99,6 +99,25 @@ def test_more_dropouts_than_the_threshold_allows_abort_the_round_and_the_next_on
     check_round(wrapper, clusters, grid, layout, initial, 3, "none", set(range(5)))
 
 
+def test_a_cluster_silent_in_the_key_setup_is_left_out_of_the_epoch(tmp_path):
+    wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=5, shapes=SHAPES, cfg=fast())
+    clusters[4].silent_stages.add("keys")
+    check_round(wrapper, clusters, grid, layout, initial, 1, "none", {0, 1, 2, 3})
+    assert wrapper.epoch["members"] == ["0", "1", "2", "3"] and wrapper.report["sampled"] == 4
+    clusters[4].silent_stages.clear()  # back: the sampled set differs from the epoch's, so keys are set up again
+    check_round(wrapper, clusters, grid, layout, initial, 2, "none", set(range(5)))
+    assert len(wrapper.epoch["members"]) == 5
+
+
+def test_a_cluster_silent_in_the_share_distribution_aborts_that_round_only(tmp_path):
+    wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=3, shapes=SHAPES, cfg=fast())
+    clusters[1].silent_stages.add("share")
+    (arrays, _), _ = run_round(wrapper, grid, 1, initial)
+    assert arrays is None and "failed the share distribution" in wrapper.report["aborted"] and wrapper.epoch is None
+    clusters[1].silent_stages.clear()
+    check_round(wrapper, clusters, grid, layout, initial, 2, "none", {0, 1, 2})
+
+
 def test_a_dropped_cluster_whose_pair_keys_nobody_can_reveal_has_its_key_rebuilt_and_re_keys(tmp_path):
     wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=5, shapes=SHAPES, cfg=fast())
     clusters[0].drop_before_upload.add(1)  # 0 never uploads ...

@@ -64,10 +64,11 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.query()
 def identify(msg: Message, context: Context) -> Message:
-    """Who this node's cluster is: its id and size (answered by the trainer at once, even mid-round)."""
+    """Who this node's cluster is (answered by the trainer at once, even mid-round). Not its size: that is the
+    weight secure aggregation keeps from the server."""
     reply, _ = request(_socket(context), {"op": "hello"}, wait_s=TRAINER_WAIT_S)
-    metrics = {"cluster-id": int(reply["cluster_id"]), "num-examples": int(reply["num_examples"]),
-               "workers": int(reply["workers"]), "privacy-mode": str(reply.get("privacy_policy", {}).get("mode", "off"))}
+    metrics = {"cluster-id": int(reply["cluster_id"]), "workers": int(reply["workers"]),
+               "privacy-mode": str(reply.get("privacy_policy", {}).get("mode", "off"))}
     return Message(RecordDict(_records(metrics)), reply_to=msg)
 
 

@@ -9,10 +9,10 @@ longer counts it towards `min-clusters`, and ends the run cleanly once no cluste
 
 Client-level DP ('client'): every cluster clips its update to C and adds Gaussian noise before the
 update leaves it; the accountant is here, one sampled Gaussian mechanism per round (q = the share
-of clusters sampled). Each message says how many shares the noise is split into: 1 now (each
-update carries the full sigma C on its own, so even the server sees only noised updates); with
-secure aggregation each of the n sampled clusters adds 1/n of the variance and the sum carries the
-full sigma C. Updates are averaged with equal weights: the sensitivity is C per cluster, whatever
+of clusters sampled). Each message says how many shares the noise is split into: 1 without secure
+aggregation (each update carries the full sigma C on its own, so even the server sees only noised
+updates); with it the secure-aggregation wrapper asks for the threshold t, each cluster adds 1/t of
+the variance, and every sum the server can unmask (t or more updates) carries at least sigma C. Updates are averaged with equal weights: the sensitivity is C per cluster, whatever
 its size.
 """
 

@@ -294,6 +294,7 @@ class SecAggWrapper(NebulaStrategy):
             senders = [s for s in survivors if holder in uploads[s][1]]
             requests[node_of[holder]] = {**base, "from": senders, "tokens": [uploads[s][1][holder] for s in senders]}
         got, _ = self._stage({node_of[c]: c for c in survivors}, requests, what="unmasking")
+        self.report["unmask_trip_s"] = time.monotonic() - started  # the message round trip, all clusters
         seeds = []
         for cluster in survivors:
             pieces = [base64.b64decode(r["self-shares"][r["self-from"].index(cluster)])
