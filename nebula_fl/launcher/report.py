@@ -35,7 +35,7 @@ def round_line(line: dict[str, Any], total: int) -> str:
     return (
         f"round {line['round']}/{total}: accuracy {_fmt(line.get('accuracy'))}, macro-F1 {_fmt(line.get('macro_f1'))}, "
         f"up {human_bytes(line.get('bytes_up'))}, down {human_bytes(line.get('bytes_down'))}, "
-        f"{line.get('seconds', 0):.1f} s (train loss {per}){rejected}"
+        f"{line.get('seconds', 0):.1f} s{f' (train loss {per})' if per else ''}{rejected}"
     )
 
 

@@ -133,6 +133,9 @@ class SecAggWrapper(NebulaStrategy):
         if len(members) < max(2, threshold):
             raise StageFailed(f"only {len(members)} cluster(s) answered the key setup; secure aggregation needs "
                               f"at least {max(2, threshold)}")
+        if len(members) == 2:
+            log(WARNING, "secure aggregation over 2 clusters: the server learns only their sum, but each of them can "
+                "subtract its own update from the aggregate, and neither may drop out of a round")
         c_pks = [str(got[c]["c-pk"]) for c in members]
         s_pks = [str(got[c]["s-pk"]) for c in members]
         request = {**base, "stage": "share", "members": members, "c-pks": c_pks, "s-pks": s_pks,
