@@ -37,8 +37,12 @@ def test_two_clusters_two_rounds_with_real_flower(tiny_model, run_cli, tmp_path)
     assert cli.wait(300) == 0, cli.output()[-4000:]
     assert cli.survivors() == [], "processes outlived the launcher"
     seen = " ".join(cmd for _, cmd in cli.seen.values())
-    for program in ("flower-superlink", "flower-supernode", "flwr run", "nebula_fl trainer", "flwr-serverapp"):
+    for program in ("flower-superlink", "flower-supernode", "nebula_fl trainer", "flwr-serverapp"):
         assert program in seen, program
+    # `flwr run` submitted the run and streamed its log: its own output is the evidence (the 0.25 s process
+    # sampling missed its command line once in CI, for a reason not found; the other programs it saw)
+    streamed = (out / "logs" / "server.log").read_text()
+    assert "flwr run" in seen or ("Successfully started run" in streamed and "[ROUND 2/2]" in streamed)
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 2
