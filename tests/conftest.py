@@ -76,6 +76,13 @@ def stop_trainer(proc, timeout: float = 30.0) -> None:
     assert proc.wait(timeout) == 0
 
 
+def same_start(a: float, b: float) -> bool:
+    """Two create-time readings of one process (they may differ by a clock adjustment; see the watchdog)."""
+    from nebula_fl.launcher.watchdog import same_process_start
+
+    return same_process_start(a, b)
+
+
 class Tracked:
     """A CLI run whose every descendant is recorded while it lives, to check none outlives it."""
 
@@ -92,7 +99,7 @@ class Tracked:
             for proc in root.children(recursive=True):
                 try:  # the latest command line: a child caught between its fork and its exec shows its parent's
                     created = proc.create_time()
-                    if self.seen.get(proc.pid, (created,))[0] == created:
+                    if same_start(self.seen.get(proc.pid, (created,))[0], created):
                         self.seen[proc.pid] = (created, " ".join(proc.cmdline())[:160])
                 except psutil.Error:
                     pass
@@ -126,7 +133,7 @@ class Tracked:
         for pid, (created, _) in self.seen.items():
             try:
                 proc = psutil.Process(pid)
-                if abs(proc.create_time() - created) < 1e-3:
+                if same_start(proc.create_time(), created):
                     proc.kill()
             except psutil.Error:
                 pass
@@ -146,7 +153,7 @@ class Tracked:
             for pid, (created, cmd) in self.seen.items():
                 try:
                     proc = psutil.Process(pid)
-                    if abs(proc.create_time() - created) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
+                    if same_start(proc.create_time(), created) and proc.status() != psutil.STATUS_ZOMBIE:
                         alive.append(f"{pid}: {cmd}")
                 except psutil.NoSuchProcess:
                     pass

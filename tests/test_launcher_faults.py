@@ -9,6 +9,7 @@ import time
 
 import psutil
 
+from tests.conftest import same_start
 from tests.test_e2e import TINY, rounds_of, smoke_args
 
 
@@ -23,7 +24,7 @@ def _find(cli, *words: str) -> psutil.Process:
         try:
             proc = psutil.Process(pid)
             cmd = " ".join(proc.cmdline())  # whole: Tracked keeps only the first 160 characters
-            if abs(proc.create_time() - created) < 1e-3 and all(w in cmd for w in words):
+            if same_start(proc.create_time(), created) and all(w in cmd for w in words):
                 return proc
         except psutil.Error:
             pass

@@ -24,6 +24,7 @@ from nebula_fl.launcher.processes import ProcessSet
 from nebula_fl.launcher.secure import Transport, transport_for
 from nebula_fl.security import make_certificates
 from nebula_fl.wan.capture import CAPTURE_DIR_ENV, read_capture
+from tests.conftest import same_start
 from tests.test_e2e import rounds_of, smoke_args
 
 WINDOW = 32
@@ -158,7 +159,7 @@ def test_an_unregistered_supernode_is_refused_by_a_secured_superlink(tmp_path):
     for pid, created in pids.items():
         try:
             proc = psutil.Process(pid)
-            if abs(proc.create_time() - created) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE:
+            if same_start(proc.create_time(), created) and proc.status() != psutil.STATUS_ZOMBIE:
                 survivors.append(" ".join(proc.cmdline()))
         except psutil.NoSuchProcess:
             pass

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from nebula_fl.launcher.watchdog import Remembered, Watchdog
+from tests.conftest import same_start
 
 # A process tree like Flower's: a root with a child, a grandchild in a new session (SuperExec-like),
 # and a middle process that exits after 1.5 s, orphaning its child (reparented out of the tree).
@@ -34,7 +35,7 @@ FAKE_LAUNCHER = textwrap.dedent("""
 def _same(pid: int, created: float) -> psutil.Process | None:
     try:
         proc = psutil.Process(pid)
-        if abs(proc.create_time() - created) < 1e-2 and proc.status() != psutil.STATUS_ZOMBIE:
+        if same_start(proc.create_time(), created) and proc.status() != psutil.STATUS_ZOMBIE:
             return proc
     except psutil.Error:
         pass

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from nebula_fl.launcher.watchdog import Watchdog
+from nebula_fl.launcher.watchdog import Watchdog, same_process_start
 from nebula_fl.lifetime import preexec_die_with_parent
 
 
@@ -141,7 +141,7 @@ class ProcessSet:
             if pid not in members:
                 try:
                     proc = psutil.Process(pid)
-                    if abs(proc.create_time() - created) < 1e-3:
+                    if same_process_start(proc.create_time(), created):
                         members[pid] = proc
                 except psutil.NoSuchProcess:
                     pass

@@ -26,7 +26,15 @@ from pathlib import Path
 
 import psutil
 
-SAME_PROCESS_TOLERANCE_S = 0.01  # create times are read from /proc with a clock tick of resolution
+# psutil's create_time is boot time + start ticks, and the kernel recomputes boot time from the wall clock on
+# every read, so a clock adjustment moves a process's start by a second between two readings; a PID reused by
+# another process starts far later (the old one must have exited and the PID space cycled).
+SAME_PROCESS_TOLERANCE_S = 2.5
+
+
+def same_process_start(a: float, b: float) -> bool:
+    """Whether two create-time readings are one process's start."""
+    return abs(a - b) < SAME_PROCESS_TOLERANCE_S
 
 
 class Remembered:
@@ -47,7 +55,7 @@ class Remembered:
         """The process `pid` if it is still the one remembered (not a newer process reusing the pid)."""
         try:
             proc = psutil.Process(pid)
-            if abs(proc.create_time() - created) < SAME_PROCESS_TOLERANCE_S:
+            if same_process_start(proc.create_time(), created):
                 return proc
         except psutil.Error:
             pass
