@@ -298,16 +298,8 @@ class SecAggWrapper(NebulaStrategy):
             requests[node_of[holder]] = {**base, "from": senders, "tokens": [uploads[s][1][holder] for s in senders]}
         got, _ = self._stage({node_of[c]: c for c in survivors}, requests, what="unmasking")
         self.report["unmask_trip_s"] = time.monotonic() - started  # the message round trip, all clusters
-        seeds = []
-        for cluster in survivors:
-            pieces = [base64.b64decode(r["self-shares"][r["self-from"].index(cluster)])
-                      for r in got.values() if cluster in r.get("self-from", [])]
-            if len(pieces) < t:
-                raise StageFailed(f"{len(pieces)} share(s) of cluster {cluster}'s self mask came back, fewer than {t}")
-            try:
-                seeds.append(shares.combine(pieces[:t]))
-            except ShareError as err:
-                raise StageFailed(f"cluster {cluster}'s self mask cannot be rebuilt: {err}") from None
+        seeds = [_rebuild(got, cluster, names="self-from", values="self-shares", threshold=t, kind="self-mask",
+                          whose=f"cluster {cluster}") for cluster in survivors]
         unreadable = {h: list(r["unreadable"]) for h, r in got.items() if r.get("unreadable")}
         if unreadable:
             self.report["unreadable"] = unreadable
@@ -359,14 +351,8 @@ class SecAggWrapper(NebulaStrategy):
                               for h in holders}, what="key recovery")
         keys: dict[str, bytes] = {}
         for gone in wanted:
-            pieces = [base64.b64decode(r["key-shares"][r["key-from"].index(gone)])
-                      for r in got.values() if gone in r.get("key-from", [])]
-            if len(pieces) < t:
-                raise StageFailed(f"{len(pieces)} key share(s) of dropped cluster {gone} came back, fewer than {t}")
-            try:
-                keys[gone] = shares.combine(pieces[:t])
-            except ShareError as err:
-                raise StageFailed(f"cluster {gone}'s mask key cannot be rebuilt: {err}") from None
+            keys[gone] = _rebuild(got, gone, names="key-from", values="key-shares", threshold=t, kind="key",
+                                  whose=f"dropped cluster {gone}")
             self.rekey.add(gone)
             log(INFO, "round %d: the mask key of cluster %s was rebuilt; it re-keys before it is sampled again",
                 server_round, gone)
@@ -397,6 +383,19 @@ class SecAggWrapper(NebulaStrategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return self.inner.aggregate_evaluate(server_round, replies)
+
+
+def _rebuild(replies: dict[str, dict[str, Any]], cluster: str, *, names: str, values: str, threshold: int,
+             kind: str, whose: str) -> bytes:
+    """A secret of `cluster` from the shares the holders' replies list under `names` / `values`."""
+    pieces = [base64.b64decode(r[values][r[names].index(cluster)]) for r in replies.values()
+              if cluster in r.get(names, [])]
+    if len(pieces) < threshold:
+        raise StageFailed(f"{len(pieces)} {kind} share(s) of {whose} came back, fewer than {threshold}")
+    try:
+        return shares.combine(pieces[:threshold])
+    except ShareError as err:
+        raise StageFailed(f"the {kind} secret of {whose} cannot be rebuilt: {err}") from None
 
 
 def _order(cid: str) -> tuple[int, str]:
