@@ -129,7 +129,7 @@ class SecAggStage:
         epochs = self._state(federation)["epochs"]
         if epoch not in epochs:  # a replayed request gets the same keys, never a second pair for one epoch
             c, s = KeyPair.generate(), KeyPair.generate()
-            epochs[epoch] = {"created": len(epochs) and max(e["created"] for e in epochs.values()) + 1,
+            epochs[epoch] = {"created": max((e["created"] for e in epochs.values()), default=-1) + 1,
                              "c_sk": c.private_pem.decode(), "c_pk": c.public.decode(),
                              "s_sk": s.private_pem.decode(), "s_pk": s.public.decode()}
             self._save(federation)

@@ -198,7 +198,7 @@ class SecAggWrapper(NebulaStrategy):
             return []
         code = self._code(len(round_set))
         self.round = {"set": round_set, "code": code, "nodes": {n: c for n, c in nodes.items() if c in round_set},
-                      "federation": federation}
+                      "federation": federation, "positions": self._positions()}
         out = []
         for m in messages:
             cluster = nodes.get(m.metadata.dst_node_id)
@@ -273,11 +273,15 @@ class SecAggWrapper(NebulaStrategy):
                 self.epoch["acked"].add(cluster)
         return uploads, uploaded
 
-    def _coordinates(self) -> int:
-        """How many coordinates each cluster masks: all of them, or random-k's."""
+    def _positions(self) -> np.ndarray | None:
+        """The coordinates every cluster masks this round: random-k's from the round's seed, or None (all)."""
         layout = self.inner.layout()
         stage = Compressor(self.codec, layout=layout).stages[0]
-        return len(stage.positions(layout.size, self.inner.round_seed)) if isinstance(stage, RandK) else layout.size
+        return stage.positions(layout.size, self.inner.round_seed) if isinstance(stage, RandK) else None
+
+    def _coordinates(self) -> int:
+        positions = self.round["positions"]
+        return self.inner.layout().size if positions is None else len(positions)
 
     def _unmask(self, server_round: int, uploads: dict[str, tuple[np.ndarray, dict[str, str]]]
                 ) -> tuple[np.ndarray, float]:
@@ -327,13 +331,12 @@ class SecAggWrapper(NebulaStrategy):
         if weight <= 0:
             raise StageFailed(f"the unmasked weights sum to {weight}; an upload or a share was wrong")
         mean = weighted / weight
-        layout = self.inner.layout()
-        stage = Compressor(self.codec, layout=layout).stages[0]
-        if isinstance(stage, RandK):
-            flat = np.zeros(layout.size, dtype=np.float32)
-            flat[stage.positions(layout.size, self.inner.round_seed)] = mean
-        else:
+        positions = self.round["positions"]
+        if positions is None:
             flat = mean.astype(np.float32)
+        else:
+            flat = np.zeros(self.inner.layout().size, dtype=np.float32)
+            flat[positions] = mean
         self.report.update(unmask_s=time.monotonic() - started, survivors=len(survivors), dropped=dropped)
         return flat, float(weight)
 
