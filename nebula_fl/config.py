@@ -207,6 +207,11 @@ class FederationConfig(Section):
     """Evaluate the initial global adapter as round 0 (the first point of every curve)."""
     eval_batch_size: int = 64
     """Batch size of the server-side evaluation; 1 to 65,536."""
+    eval_overlap: bool = True
+    """Evaluate round r (and write its record and checkpoint) while the clusters train round r+1, instead of
+    before sending it: the server's evaluation leaves the round's critical path. On for a server on its own
+    machine; `nebula-fl run`, which puts the server on the clusters' machine, turns it off (contending for
+    the same cores made both slower), unless `--run-config eval-overlap=true`."""
 
     def __post_init__(self) -> None:
         _int("num-server-rounds", self.num_server_rounds, low=1, high=100_000, fix="use 1 or more (at most 100000)")
@@ -224,6 +229,7 @@ class FederationConfig(Section):
         _bool("resume", self.resume)
         _bool("eval-initial", self.eval_initial)
         _int("eval-batch-size", self.eval_batch_size, low=1, high=65_536, fix="use 1 or more (at most 65536)")
+        _bool("eval-overlap", self.eval_overlap)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -12,38 +12,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from nebula_fl.model.tiny import build_tiny_model
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def build_tiny_model(out: Path, *, hidden: int = 32, layers: int = 1, seed: int = 0) -> Path:
-    """A 1-layer BERT whose word embeddings are a random projection of MiniLM's.
-
-    The projection keeps most of the geometry of the pretrained embeddings (Johnson-Lindenstrauss),
-    so mean-pooled features separate topics from step 0 and a few LoRA/head steps learn something,
-    while the model stays ~1M parameters and loads in milliseconds.
-    """
-    import numpy as np
-    import torch
-    from safetensors import safe_open
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    from nebula_fl.model.locate import resolve_model_path
-
-    src = resolve_model_path("minilm")
-    with safe_open(str(src / "model.safetensors"), "np") as f:
-        words = f.get_tensor("embeddings.word_embeddings.weight")
-    rng = np.random.default_rng(seed)
-    projection = rng.standard_normal((words.shape[1], hidden)) / np.sqrt(hidden)
-    torch.manual_seed(seed)
-    config = BertConfig(vocab_size=words.shape[0], hidden_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=2, intermediate_size=2 * hidden, max_position_embeddings=128)
-    model = BertModel(config)
-    with torch.no_grad():
-        model.embeddings.word_embeddings.weight.copy_(torch.from_numpy((words @ projection).astype(np.float32)))
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(str(src)).save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -92,6 +63,9 @@ class Tracked:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.popen = subprocess.Popen(nebula_cmd(*args), cwd=cwd, stdout=self.handle, stderr=subprocess.STDOUT, env=env)
         self.seen: dict[int, tuple[float, str]] = {}
+        # every (pid, command line) a descendant showed, whatever its start-time reading: a clock adjustment
+        # between two readings must not hide the command a child exec'd into
+        self.shown: set[tuple[int, str]] = set()
 
     def poll_tree(self) -> None:
         try:
@@ -99,12 +73,19 @@ class Tracked:
             for proc in root.children(recursive=True):
                 try:  # the latest command line: a child caught between its fork and its exec shows its parent's
                     created = proc.create_time()
+                    command = " ".join(proc.cmdline())[:160]
+                    self.shown.add((proc.pid, command))
                     if same_start(self.seen.get(proc.pid, (created,))[0], created):
-                        self.seen[proc.pid] = (created, " ".join(proc.cmdline())[:160])
+                        self.seen[proc.pid] = (created, command)
                 except psutil.Error:
                     pass
         except psutil.NoSuchProcess:
             pass
+
+    @property
+    def commands(self) -> list[str]:
+        """Every command line seen, once per process that showed it."""
+        return [command for _, command in sorted(self.shown)]
 
     def wait(self, timeout: float, until=None) -> int:
         deadline = time.monotonic() + timeout

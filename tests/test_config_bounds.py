@@ -33,6 +33,7 @@ BAD: dict[str, list] = {
                 *TEXT_BAD],
     "resume": BOOL_BAD,
     "eval-initial": BOOL_BAD,
+    "eval-overlap": BOOL_BAD,
     "eval-batch-size": [-1, 0, 65_537, *INT_BAD],
     # data
     "dataset": ["", "a\x00b", "a\nb", "\u2028", "x" * 4096, "a" * 256, NOT_A_USER, *TEXT_BAD],

@@ -36,7 +36,7 @@ def test_two_clusters_two_rounds_with_real_flower(tiny_model, run_cli, tmp_path)
     cli = run_cli(*smoke_args(tiny_model, out, "--workers-per-cluster", "1,2"), name="e2e")
     assert cli.wait(300) == 0, cli.output()[-4000:]
     assert cli.survivors() == [], "processes outlived the launcher"
-    seen = " ".join(cmd for _, cmd in cli.seen.values())
+    seen = " ".join(cli.commands)
     for program in ("flower-superlink", "flower-supernode", "nebula_fl trainer", "flwr-serverapp"):
         assert program in seen, program
     # `flwr run` submitted the run and streamed its log: its own output is evidence too (the sampler once kept a
@@ -62,6 +62,21 @@ def test_two_clusters_two_rounds_with_real_flower(tiny_model, run_cli, tmp_path)
         assert line["bytes_up"] == c0["bytes_up"] + c1["bytes_up"]
     assert summary["bytes_up_total"] == sum(x["bytes_up"] for x in lines)
     assert summary["bytes_down_total"] == sum(x["bytes_down"] for x in lines)
+    for line in lines:  # the timeline: each cluster's phases fit in the server's exchange, which fits in the round
+        t = line["timeline"]
+        assert set(t["clusters"]) == {"0", "1"} and t["round_s"] >= t["exchange_s"] > 0
+        for phases in t["clusters"].values():
+            assert phases["compute_s"] >= phases["train_s"] > 0 and phases["pickup_s"] > 0
+            assert phases["pickup_s"] + phases["compute_s"] + phases["upload_s"] <= t["exchange_s"] + 0.5
+        slowest = t["clusters"][t["slowest_cluster"]]
+        assert t["overhead_s"] == pytest.approx(t["round_s"] - slowest["compute_s"] - t["evaluate_s"], abs=1e-6)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(out / "tensorboard"))
+    board.Reload()
+    accuracy = {e.step: e.value for e in board.Scalars("eval/accuracy")}
+    assert accuracy == pytest.approx({x["round"]: x["accuracy"] for x in lines}, abs=1e-6)
+    assert [e.step for e in board.Scalars("timeline/overhead_s")] == [1, 2]
 
     adapter = load_file(str(out / "adapter.safetensors"))
     assert adapter and all(("lora_" in k or ".head." in k) for k in adapter)
@@ -79,7 +94,10 @@ def test_interrupt_after_round_one_then_resume_loses_and_repeats_nothing(tiny_mo
     # residual) again, or the first resumed round would compress another change and the adapters differ
     lossy = ("--rounds", "3", "--codec", "topk:0.25+int4")
     out = tmp_path / "run"
-    first = run_cli(*smoke_args(tiny_model, out, *lossy), name="first")
+    # evaluated while the next round trains (its record and checkpoint too); the reference below does not overlap
+    overlapped = ["run", "--preset", "smoke", "--clusters", "2", "--port", "0", "--out", str(out),
+                  "--run-config", f'model="{tiny_model}" {TINY} eval-overlap=true', *lossy]
+    first = run_cli(*overlapped, name="first")
     assert first.wait(300, until=lambda: len(rounds_of(out)) >= 1) == -1, first.output()[-3000:]
     first.popen.send_signal(signal.SIGINT)
     assert first.wait(120) == 130, first.output()[-3000:]
@@ -94,8 +112,9 @@ def test_interrupt_after_round_one_then_resume_loses_and_repeats_nothing(tiny_mo
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 3
     assert rounds_of(out) == [1, 2, 3]
+    assert json.loads((out / "config.json").read_text())["run_config"]["eval-overlap"] is True
 
-    # The same run, uninterrupted: the resumed federation ends on the very same adapter.
+    # The same run, uninterrupted and not overlapped: the resumed federation ends on the very same adapter.
     reference = tmp_path / "reference"
     third = run_cli(*smoke_args(tiny_model, reference, *lossy), name="reference")
     assert third.wait(300) == 0, third.output()[-3000:]
@@ -144,7 +163,7 @@ def test_compressed_over_an_emulated_wan_proxy_counts_agree_with_payloads(tiny_m
     assert cli.wait(300) == 0, cli.output()[-4000:]
     assert rounds_of(out) == [1, 2]
     assert cli.survivors() == []
-    assert "python -m nebula_fl.wan" in " ".join(cmd for _, cmd in cli.seen.values())
+    assert "python -m nebula_fl.wan" in " ".join(cli.commands)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     adapter = load_file(str(out / "adapter.safetensors"))
     raw = sum(v.nbytes for v in adapter.values())
@@ -156,6 +175,8 @@ def test_compressed_over_an_emulated_wan_proxy_counts_agree_with_payloads(tiny_m
                 payload, wire = cluster[f"bytes_{way}"], cluster[f"wan_bytes_{way}"]
                 assert payload <= wire <= payload + per_request * cluster["wan_requests"], (way, cluster)
             assert cluster["wan_push_objects"] >= 1 and cluster["wan_pull_objects"] >= 1
+        for cid, phases in line["timeline"]["clusters"].items():  # the proxy timed the wire: 20 ms RTT at least
+            assert 0.02 <= phases["transfer_s"] == line["clusters"][cid]["wan_wire_seconds"] < line["timeline"]["round_s"]
     # Round 1 sends no adapter (every cluster rebuilds the seeded initial one); round 2 the compressed change.
     first, second = lines[0]["clusters"]["0"]["bytes_down"], lines[1]["clusters"]["0"]["bytes_down"]
     assert first < 2500 < raw and first < second < 0.15 * raw + 2500

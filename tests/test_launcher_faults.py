@@ -38,7 +38,7 @@ def test_a_sigkilled_launcher_leaves_no_process_its_run_resumes_and_rewinds_past
     for _ in range(10):  # record every descendant (a ClientApp may be starting right now)
         cli.poll_tree()
         time.sleep(0.1)
-    seen = " ".join(cmd for _, cmd in cli.seen.values())
+    seen = " ".join(cli.commands)
     for program in ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "nebula_fl trainer",
                     "nebula_fl.launcher.watchdog"):
         assert program in seen, program

@@ -40,7 +40,7 @@ def _wait_for(condition, timeout: float, what: str) -> None:
 
 def _flower_cmds(cli) -> list[str]:
     """The flower-superlink and flower-supernode command lines a launch ran (not their local superexecs)."""
-    return [cmd for _, cmd in cli.seen.values() if "flower-superlink" in cmd or "flower-supernode" in cmd]
+    return [cmd for cmd in cli.commands if "flower-superlink" in cmd or "flower-supernode" in cmd]
 
 
 # -- unit: the transport's flags and config, and the plan's record ---------------------------------

@@ -45,6 +45,7 @@ def _records(metrics: dict) -> dict:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     socket_path = _socket(context)
+    received_at = time.time()  # wall clock: the server times the pickup of its message with it
     started = time.monotonic()
     records = msg.content.array_records
     # "down": one blob (the full adapter or its change, compressed); "arrays": the plain adapter
@@ -54,6 +55,7 @@ def train(msg: Message, context: Context) -> Message:
     reply, update = request(socket_path, {"op": "train", "config": config}, arrays, wait_s=TRAINER_WAIT_S)
     metrics = dict(reply["metrics"])
     metrics["client-seconds"] = time.monotonic() - started
+    metrics["received-at"] = received_at
     metrics["reply-sent-at"] = time.time()  # wall clock, so the server can time the upload of this reply
     content = RecordDict({
         "update": ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in update.items()}),

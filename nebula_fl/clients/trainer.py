@@ -328,11 +328,13 @@ class ClusterTrainer:
         sums = [float(g[1]) for g in gathered]
         out: Arrays = update
         error = None
+        encoding = time.monotonic()
         if "codec-up" in config and self.ctx.rank == 0:
             try:
                 out = self._encode_up(update, config)
             except (NebulaError, ValueError) as err:
                 error = str(err)
+        encode_seconds = time.monotonic() - encoding
         try:
             self.agree(error)
         except RequestError:
@@ -349,6 +351,7 @@ class ClusterTrainer:
             "steps": int(train_cfg.local_steps),
             "train-loss": float(np.mean(rank_losses)),
             "seconds": float(seconds),
+            "encode-seconds": float(encode_seconds),
             "workers": int(self.ctx.world),
             "device": self.ctx.device.type,
             "rank-divergence": float(max(abs(s - sums[0]) for s in sums)),

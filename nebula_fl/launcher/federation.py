@@ -36,6 +36,9 @@ from nebula_fl.server.run_folder import RunFolder
 APP_LICENSE = "Apache-2.0: generated nebula-fl app bundle (configuration only; the code is the installed nebula-fl)\n"
 
 
+SUPEREXEC_POLL_S = "0.1"
+
+
 def child_env(flwr_home: Path) -> dict[str, str]:
     env = dict(os.environ)
     bindir = str(Path(sys.executable).parent)
@@ -49,6 +52,9 @@ def child_env(flwr_home: Path) -> dict[str, str]:
         TRANSFORMERS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
         GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"),
+        # Flower's SuperExec looks for a message to start an app for once a second by default: up to a second
+        # on every hop of every round. A local poll is cheap.
+        FLWR_SUPEREXEC_TASK_POLL_INTERVAL=env.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", SUPEREXEC_POLL_S),
     )
     return env
 

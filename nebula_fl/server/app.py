@@ -24,6 +24,8 @@ from nebula_fl.errors import NebulaError
 from nebula_fl.server.evaluation import ServerEvaluator
 from nebula_fl.server.plots import plot_accuracy_vs_bytes
 from nebula_fl.server.run_folder import PLOT, RunFolder
+from nebula_fl.server.tensorboard import TensorBoardLog
+from nebula_fl.server.timeline import cluster_phases, round_timeline
 from nebula_fl.server.wan_counters import WanCounters
 from nebula_fl.strategies import make_strategy
 from nebula_fl.strategies.adapter_strategy import to_numpy, to_record
@@ -34,6 +36,7 @@ from nebula_fl.strategies.secure_aggregation import SecAggWrapper
 from nebula_fl.wan.profile import parse_profile
 
 # Keys that may differ between a run and its resumption; everything else must match.
+TENSORBOARD = "tensorboard"  # the run folder's TensorBoard event files
 RESUMABLE_CHANGES = {"resume", "out-dir", "num-server-rounds", "round-timeout", "connect-timeout", "comm.wan-control"}
 
 app = ServerApp()
@@ -107,6 +110,7 @@ class ServerRun:
         self.started = time.monotonic()
         self.wall_before = 0.0
         self.initial: dict[str, float] | None = None
+        self.tensorboard: TensorBoardLog | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _open(self) -> tuple[int, dict[str, np.ndarray] | None, dict[str, Any] | None]:
@@ -140,6 +144,10 @@ class ServerRun:
             return 1, None, None
         done, adapter, state = ckpt
         self.folder.truncate_rounds(done)
+        recorded = self.folder.rounds()
+        line = state.get("line")
+        if isinstance(line, dict) and line.get("round") == done and (not recorded or recorded[-1]["round"] < done):
+            self.folder.append_round(line)  # the run stopped between the checkpoint and its record
         self.wall_before = float(state.get("wall_seconds", 0.0))
         self.initial = state.get("initial_evaluation")
         self.folder.update_summary(status="running", rounds_completed=done, error=None,
@@ -211,6 +219,8 @@ class ServerRun:
             first_round=first_round,
             evaluate_initial=cfg.federation.eval_initial,
             on_round_end=self._record_round,
+            overlap_evaluation=cfg.federation.eval_overlap,
+            on_round_aggregated=self._measure_round,
         )
         final = self.folder.load_checkpoint()
         if final is not None:
@@ -220,6 +230,10 @@ class ServerRun:
         self._finish("completed")
 
     # -- per round -------------------------------------------------------------------------------
+    def _measure_round(self, outcome: RoundOutcome) -> None:
+        """Read the WAN proxies' counters when the round ends (its record may be written during the next one)."""
+        outcome.measured["wan"] = self.wan.read_round() if self.wan else {}
+
     def _record_round(self, outcome: RoundOutcome) -> None:
         previous = self.folder.rounds()
         cum_up = previous[-1]["cumulative_bytes_up"] if previous else 0
@@ -237,7 +251,7 @@ class ServerRun:
                 rejected[cid] = reason
         for cid, note in outcome.notes.items():
             clusters.setdefault(cid, {}).update(note)
-        wan = self.wan.read_round() if self.wan else {}
+        wan = outcome.measured.get("wan", {})
         for cid, counted in wan.items():
             clusters.setdefault(cid, {"bytes_up": 0, "bytes_down": 0}).update(counted)
         up = sum(c.get("bytes_up", 0) for c in clusters.values())
@@ -266,14 +280,31 @@ class ServerRun:
             "skipped": outcome.skipped,
             **outcome.extras,
         }
-        self.folder.append_round(line)
+        timed = {}
+        for node_id, traffic in outcome.nodes.items():
+            cid = next((c for c, entry in clusters.items() if entry.get("node_id") == node_id), None)
+            if cid is not None and traffic.error is None:
+                timed[cid] = cluster_phases(pushed_at=traffic.pushed_at, arrived_at=traffic.arrived_at,
+                                            metrics=traffic.metrics, wire_s=wan.get(cid, {}).get("wan_wire_seconds"))
+        # The checkpoint holds this line, so a crash between the two never loses the record of a checkpointed round.
+        checkpointing = time.monotonic()
         self.folder.save_checkpoint(
             round=outcome.round,
             adapter=to_numpy(outcome.arrays),
-            state={"strategy": self.strategy.state_dict(), "federation_id": self.federation_id,
-                   "wall_seconds": elapsed, "initial_evaluation": self.initial},
+            state={"strategy": outcome.strategy_state if outcome.strategy_state is not None
+                   else self.strategy.state_dict(), "federation_id": self.federation_id,
+                   "wall_seconds": elapsed, "initial_evaluation": self.initial, "line": line},
         )
+        phases = {**outcome.phases, "checkpoint_s": time.monotonic() - checkpointing}
+        line["timeline"] = round_timeline(seconds=outcome.seconds, phases=phases, clusters=timed)
+        self.folder.append_round(line)
         self.folder.update_summary(rounds_completed=outcome.round, wall_seconds=elapsed)
+        try:
+            if self.tensorboard is None:
+                self.tensorboard = TensorBoardLog(folder=self.folder.path / TENSORBOARD)
+            self.tensorboard.write(line)
+        except Exception as err:  # curves are a view of metrics.jsonl: never a reason to fail a round
+            log(WARNING, "could not write round %d to TensorBoard: %s", outcome.round, err)
         log(INFO, "round %d: accuracy %.4f, macro-F1 %.4f, %d B up, %d B down, %.1f s", outcome.round,
             line["accuracy"] or 0.0, line["macro_f1"] or 0.0, up, down, outcome.seconds)
 
@@ -290,6 +321,8 @@ class ServerRun:
                 "cumulative_wan_bytes": before + up + down}
 
     def _finish(self, status: str, *, error: str | None = None) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         rounds = self.folder.rounds()
         done = rounds[-1]["round"] if rounds else 0
         final = rounds[-1] if rounds else {}

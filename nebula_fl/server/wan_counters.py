@@ -17,7 +17,7 @@ class WanCounters:
 
     def __init__(self, control_sockets: list[str]) -> None:
         self.sockets = {str(i): path for i, path in enumerate(control_sockets) if path}
-        self.last: dict[str, dict[str, int]] = {cid: dict.fromkeys(FIELDS, 0) for cid in self.sockets}
+        self.last: dict[str, dict[str, float]] = {cid: dict.fromkeys(FIELDS, 0) for cid in self.sockets}
 
     @classmethod
     def from_config(cls, text: str) -> WanCounters | None:
@@ -36,8 +36,10 @@ class WanCounters:
                 log(WARNING, "cannot read the WAN proxy of cluster %s: %s", cid, err)
                 continue
             by_path = stats.get("requests_by_path", {})
-            now = {k: int(by_path.get(PATHS[k], 0)) if k in PATHS else int(stats.get(k, 0)) for k in FIELDS}
-            out[cid] = {f"wan_{k}": now[k] - self.last[cid][k] for k in FIELDS}
+            now: dict[str, float] = {k: int(by_path.get(PATHS[k], 0)) if k in PATHS else int(stats.get(k, 0))
+                                     for k in FIELDS}
+            now["wire_seconds"] = float(stats.get("wire_seconds", 0.0))
+            out[cid] = {f"wan_{k}": now[k] - self.last[cid].get(k, 0) for k in (*FIELDS, "wire_seconds")}
             self.last[cid] = now
         return out
 

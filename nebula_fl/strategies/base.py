@@ -18,9 +18,11 @@ cluster) is dropped from the round at once instead of waited for until the round
 
 from __future__ import annotations
 
+import copy
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
@@ -49,6 +51,7 @@ class NodeTraffic:
     error: str | None = None
     elapsed_s: float | None = None  # push to reply, on the server's clock
     arrived_at: float | None = None  # wall-clock time the reply reached the SuperLink (midpoint of two polls)
+    pushed_at: float | None = None  # wall-clock time the round's message was handed to the SuperLink
 
 
 @dataclass
@@ -63,6 +66,9 @@ class RoundOutcome:
     notes: dict[str, dict[str, Any]] = field(default_factory=dict)  # cluster id -> what a wrapper decided
     extras: dict[str, Any] = field(default_factory=dict)  # run-level records of this round (e.g. privacy)
     skipped: str | None = None  # why the round left the global adapter as it was, if it did
+    phases: dict[str, float] = field(default_factory=dict)  # the server's share of the round, seconds per phase
+    strategy_state: dict[str, Any] | None = None  # state_dict() as it was when the round ended
+    measured: dict[str, Any] = field(default_factory=dict)  # what on_round_aggregated read at the round's end
 
 
 class NodeDirectory:
@@ -114,6 +120,7 @@ class NebulaStrategy(Strategy):
         self.directory = NodeDirectory()  # wrappers share their inner strategy's
         self.min_updates = 1  # usable updates a round needs, else it is skipped
         self.message_ttl: float | None = None  # seconds a message may wait for its SuperNode (the round timeout)
+        self.last_push_s = 0.0  # how long the last push_messages call took
 
     def set_min_updates(self, count: int) -> None:
         """The usable updates the next aggregation needs; wrappers pass it to the strategy they hold."""
@@ -175,7 +182,12 @@ class NebulaStrategy(Strategy):
         for message in messages:  # a message its SuperNode picks up after the round gave up on it is dropped
             message.metadata.ttl = min(message.metadata.ttl, self.message_ttl or timeout)
         traffic = {m.metadata.dst_node_id: NodeTraffic(bytes_down=payload_bytes(m)) for m in messages}
+        push_started = time.monotonic()
         ids = list(grid.push_messages(messages))
+        self.last_push_s = time.monotonic() - push_started
+        pushed_wall = time.time()
+        for entry in traffic.values():
+            entry.pushed_at = pushed_wall
         self.destinations = {mid: m.metadata.dst_node_id for mid, m in zip(ids, messages) if mid}
         sent = {m.metadata.dst_node_id: m for mid, m in zip(ids, messages) if mid}
         pending = set(self.destinations)
@@ -291,8 +303,18 @@ class NebulaStrategy(Strategy):
         evaluate_initial: bool = True,
         on_round_end: RoundCallback | None = None,
         poll_interval: float = 0.2,
+        overlap_evaluation: bool = False,
+        on_round_aggregated: RoundCallback | None = None,
     ) -> Result:
-        """Run rounds `first_round`..`num_rounds`; too many skipped rounds in a row raise NebulaError."""
+        """Run rounds `first_round`..`num_rounds`; too many skipped rounds in a row raise NebulaError.
+
+        `on_round_aggregated` runs on the loop's thread as soon as a round is aggregated (before the next one
+        starts): counters that must be read at the round's end belong there. `on_round_end` (the record and
+        the checkpoint) runs on one background thread while the next round is sent and trained, and with
+        `overlap_evaluation` the round's server-side evaluation does too: they leave the critical path.
+        Rounds are recorded in order; the strategy's state is copied when the round ends, so what the
+        callback checkpoints is that round's state even while the next one changes it.
+        """
         if not 1 <= first_round <= num_rounds + 1:
             raise ValueError(f"first_round must be in 1..{num_rounds + 1}, got {first_round}")
         train_config = ConfigRecord() if train_config is None else train_config
@@ -303,54 +325,89 @@ class NebulaStrategy(Strategy):
             result.evaluate_metrics_serverapp[0] = res
         skipped_in_a_row: list[str] = []
         self.message_ttl = timeout
-        for rnd in range(first_round, num_rounds + 1):
-            started = time.monotonic()
-            log(INFO, "[ROUND %d/%d]", rnd, num_rounds)
-            self.rejected = {}
-            if self.needs_identity():
-                self.identify(grid, timeout=min(timeout, IDENTIFY_TIMEOUT_S), poll_interval=poll_interval)
-            try:
-                messages = self.configure_train(rnd, arrays, train_config, grid)
-            except StopFederation as stop:
-                self.stop_reason = str(stop)
-                log(INFO, "the run ends before round %d: %s", rnd, stop)
-                break
-            replies, traffic = self.exchange(grid, messages, timeout=timeout, poll_interval=poll_interval)
-            new_arrays, train_metrics = self.aggregate_train(rnd, replies)
-            self.observe_traffic(traffic)
-            skipped = None
-            if new_arrays is None:
-                reasons = "; ".join(
-                    f"cluster {self.directory.get(n) or f'of node {n}'}: "
-                    f"{self.rejected.get(n) or t.error or 'usable update'}" for n, t in traffic.items()
-                ) or "no cluster was sent the round"
-                usable = int((train_metrics or {}).get("clusters", 0))
-                skipped = (f"{usable} usable update(s), fewer than the {self.min_updates} a round needs "
-                           f"(min-clusters); the global adapter stays ({reasons})")
-                log(WARNING, "round %d skipped: %s", rnd, skipped)
-                skipped_in_a_row.append(f"round {rnd}: {reasons}")
-                if len(skipped_in_a_row) >= MAX_SKIPPED_IN_A_ROW:
-                    raise NebulaError(
-                        f"{len(skipped_in_a_row)} rounds in a row had too few usable updates "
-                        f"({' | '.join(skipped_in_a_row)}); check the clusters' logs, or lower min-clusters"
-                    )
-                eval_metrics = None
-            else:
-                skipped_in_a_row = []
-                arrays = result.arrays = new_arrays
-                if train_metrics is not None:
-                    result.train_metrics_clientapp[rnd] = train_metrics
-                eval_messages = list(self.configure_evaluate(rnd, arrays, evaluate_config, grid))
-                if eval_messages:
-                    eval_replies, _ = self.exchange(grid, eval_messages, timeout=timeout, poll_interval=poll_interval)
-                    if (agg := self.aggregate_evaluate(rnd, eval_replies)) is not None:
-                        result.evaluate_metrics_clientapp[rnd] = agg
-                eval_metrics = evaluate_fn(rnd, arrays) if evaluate_fn else None
-                if eval_metrics is not None:
-                    result.evaluate_metrics_serverapp[rnd] = eval_metrics
+        # one worker: rounds are recorded in order, each after the one before
+        finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-finisher")
+        finishing: Future | None = None
+
+        def evaluate(outcome: RoundOutcome) -> None:
+            if outcome.skipped is None and evaluate_fn is not None:
+                t = time.monotonic()
+                outcome.eval_metrics = evaluate_fn(outcome.round, outcome.arrays)
+                outcome.phases["evaluate_s"] = time.monotonic() - t
+                if outcome.eval_metrics is not None:
+                    result.evaluate_metrics_serverapp[outcome.round] = outcome.eval_metrics
+
+        def finish(outcome: RoundOutcome, started: float, submitted: float) -> None:
+            """Evaluate the round's adapter (when overlapped; else it was), then hand the outcome to the callback.
+            A round's seconds leave out the time its finish queued behind the previous round's."""
+            queued = time.monotonic() - submitted
+            outcome.phases["finish_queued_s"] = queued
+            if overlap_evaluation:
+                evaluate(outcome)
+                outcome.seconds = time.monotonic() - started - queued
             if on_round_end:
-                on_round_end(
-                    RoundOutcome(rnd, arrays, train_metrics, eval_metrics, traffic, dict(self.rejected),
-                                 time.monotonic() - started, self.round_notes(), self.round_summary(), skipped)
-                )
+                on_round_end(outcome)
+
+        try:
+            for rnd in range(first_round, num_rounds + 1):
+                if finishing is not None and finishing.done():
+                    finishing.result()  # a failed evaluation or record ends the run here, not rounds later
+                started = time.monotonic()
+                log(INFO, "[ROUND %d/%d]", rnd, num_rounds)
+                self.rejected = {}
+                if self.needs_identity():
+                    self.identify(grid, timeout=min(timeout, IDENTIFY_TIMEOUT_S), poll_interval=poll_interval)
+                try:
+                    messages = self.configure_train(rnd, arrays, train_config, grid)
+                except StopFederation as stop:
+                    self.stop_reason = str(stop)
+                    log(INFO, "the run ends before round %d: %s", rnd, stop)
+                    break
+                configured = time.monotonic()
+                replies, traffic = self.exchange(grid, messages, timeout=timeout, poll_interval=poll_interval)
+                exchanged = time.monotonic()
+                new_arrays, train_metrics = self.aggregate_train(rnd, replies)
+                self.observe_traffic(traffic)
+                phases = {"configure_s": configured - started, "push_s": self.last_push_s,
+                          "exchange_s": exchanged - configured, "aggregate_s": time.monotonic() - exchanged}
+                skipped = None
+                if new_arrays is None:
+                    reasons = "; ".join(
+                        f"cluster {self.directory.get(n) or f'of node {n}'}: "
+                        f"{self.rejected.get(n) or t.error or 'usable update'}" for n, t in traffic.items()
+                    ) or "no cluster was sent the round"
+                    usable = int((train_metrics or {}).get("clusters", 0))
+                    skipped = (f"{usable} usable update(s), fewer than the {self.min_updates} a round needs "
+                               f"(min-clusters); the global adapter stays ({reasons})")
+                    log(WARNING, "round %d skipped: %s", rnd, skipped)
+                    skipped_in_a_row.append(f"round {rnd}: {reasons}")
+                    if len(skipped_in_a_row) >= MAX_SKIPPED_IN_A_ROW:
+                        raise NebulaError(
+                            f"{len(skipped_in_a_row)} rounds in a row had too few usable updates "
+                            f"({' | '.join(skipped_in_a_row)}); check the clusters' logs, or lower min-clusters"
+                        )
+                else:
+                    skipped_in_a_row = []
+                    arrays = result.arrays = new_arrays
+                    if train_metrics is not None:
+                        result.train_metrics_clientapp[rnd] = train_metrics
+                    eval_messages = list(self.configure_evaluate(rnd, arrays, evaluate_config, grid))
+                    if eval_messages:
+                        eval_replies, _ = self.exchange(grid, eval_messages, timeout=timeout,
+                                                        poll_interval=poll_interval)
+                        if (agg := self.aggregate_evaluate(rnd, eval_replies)) is not None:
+                            result.evaluate_metrics_clientapp[rnd] = agg
+                outcome = RoundOutcome(rnd, arrays, train_metrics, None, traffic, dict(self.rejected), 0.0,
+                                       self.round_notes(), self.round_summary(), skipped, phases=phases,
+                                       strategy_state=copy.deepcopy(self.state_dict()))
+                if on_round_aggregated:
+                    on_round_aggregated(outcome)
+                if not overlap_evaluation:
+                    evaluate(outcome)
+                    outcome.seconds = time.monotonic() - started
+                finishing = finisher.submit(finish, outcome, started, time.monotonic())
+            if finishing is not None:
+                finishing.result()
+        finally:
+            finisher.shutdown(wait=True, cancel_futures=True)  # an interrupted run still records the round it was at
         return result

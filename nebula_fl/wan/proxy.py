@@ -36,11 +36,26 @@ CONNECT_TIMEOUT_S = 10.0
 MAX_PATHS = 64  # distinct request paths counted by name; the rest are counted under "<other>"
 
 
+class _WireClock:
+    """Seconds during which any byte was on this cluster's link, either way: the union of every piece's
+    [handed to the link, delivered] interval. The time the emulated WAN really took, not a model of it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.busy_until = 0.0
+
+    def add(self, start: float, end: float) -> None:
+        if end > self.busy_until:
+            self.seconds += end - max(start, self.busy_until)
+            self.busy_until = end
+
+
 class _Link:
     """One direction of the access link: a FIFO serialization queue plus propagation delay."""
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, wire: _WireClock | None = None) -> None:
         self.rng = rng
+        self.wire = wire
         self.rate_bps = 1.0
         self.delay_s = 0.0
         self.jitter_s = 0.0
@@ -53,7 +68,10 @@ class _Link:
         """Put ``nbytes`` on the link at ``arrival``; return when its last byte reaches the far end."""
         self.free_at = max(arrival, self.free_at) + nbytes * 8 / self.rate_bps
         extra = self.rng.uniform(0.0, self.jitter_s) if self.jitter_s > 0 else 0.0
-        return self.free_at + self.delay_s + extra
+        delivered = self.free_at + self.delay_s + extra
+        if self.wire is not None:
+            self.wire.add(arrival, delivered)
+        return delivered
 
     def read_size(self) -> int:
         """Bytes to read at once: about MAX_BACKLOG_S of serialization, between one slice and READ_CHUNK."""
@@ -203,7 +221,8 @@ class WanProxy:
         self.listen_host, self.listen_port = listen_host, listen_port
         self.target_host, self.target_port = target_host, target_port
         self.handshake = handshake
-        self._links: dict[Direction, _Link] = {d: _Link(random.Random(f"{seed}:{d}")) for d in DIRECTIONS}
+        self._wire = _WireClock()
+        self._links: dict[Direction, _Link] = {d: _Link(random.Random(f"{seed}:{d}"), self._wire) for d in DIRECTIONS}
         self._profile = profile
         self.set_profile(profile)
         self._server: asyncio.Server | None = None
@@ -291,6 +310,7 @@ class WanProxy:
         return {
             "bytes_up": self._bytes["up"],
             "bytes_down": self._bytes["down"],
+            "wire_seconds": self._wire.seconds,
             "connections": self._connections,
             "open_connections": len(self._conns),
             "requests": self._requests,

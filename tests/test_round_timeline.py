@@ -1,0 +1,118 @@
+"""A round's timeline: the pure arithmetic, the proxy's wire clock, and evaluation overlapping the next round."""
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
+
+from nebula_fl.config import OuterConfig
+from nebula_fl.server.timeline import cluster_phases, round_timeline
+from nebula_fl.strategies import make_strategy
+from nebula_fl.strategies.adapter_strategy import to_numpy
+from nebula_fl.wan.proxy import _WireClock
+from tests.test_round_faults import GLOBAL, ScriptedGrid
+
+
+def test_cluster_phases_come_from_the_two_clocks_and_leave_out_what_is_unknown():
+    metrics = {"received-at": 102.5, "reply-sent-at": 110.0, "client-seconds": 7.5, "seconds": 6.0,
+               "encode-seconds": 0.25}
+    phases = cluster_phases(pushed_at=100.0, arrived_at=111.25, metrics=metrics, wire_s=0.75)
+    assert phases == {"pickup_s": 2.5, "compute_s": 7.5, "train_s": 6.0, "encode_s": 0.25, "upload_s": 1.25,
+                      "transfer_s": 0.75}
+    assert cluster_phases(pushed_at=100.0, arrived_at=None, metrics={}, wire_s=None) == {}
+
+
+def test_overhead_is_the_round_less_the_slowest_clusters_compute_and_transfer_and_the_evaluation():
+    clusters = {"0": {"compute_s": 6.0, "transfer_s": 3.0}, "1": {"compute_s": 8.0}, "2": {"pickup_s": 1.0}}
+    t = round_timeline(seconds=20.0, phases={"evaluate_s": 4.0, "aggregate_s": 0.5}, clusters=clusters)
+    assert t["slowest_cluster"] == "0"  # 6 + 3 > 8: the link counts
+    assert t["overhead_s"] == pytest.approx(20.0 - 9.0 - 4.0)
+    assert t["clusters"]["2"] == {"pickup_s": 1.0} and t["round_s"] == 20.0
+    # no cluster answered: the whole round less evaluation is overhead, never negative
+    assert round_timeline(seconds=5.0, phases={}, clusters={})["overhead_s"] == 5.0
+    assert round_timeline(seconds=1.0, phases={"evaluate_s": 3.0}, clusters={})["overhead_s"] == 0.0
+
+
+def test_the_wire_clock_is_the_length_of_the_union_of_busy_intervals():
+    rng = random.Random(7)
+    clock, intervals, start = _WireClock(), [], 0.0
+    for _ in range(500):  # handed to the link in time order, delivered after a delay, overlapping
+        start += rng.expovariate(4.0)
+        end = start + rng.uniform(0.0, 0.6)
+        intervals.append((start, end))
+        clock.add(start, end)
+    merged: list[list[float]] = []  # the textbook merge of sorted intervals, as an independent reference
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    assert clock.seconds == pytest.approx(sum(b - a for a, b in merged), rel=1e-12)
+
+
+def _overlapped_run(grid, rounds, evaluate_s):
+    strategy = make_strategy(OuterConfig())
+    outcomes, during = [], []
+    busy = threading.Event()
+
+    def evaluate(rnd, arrays):
+        busy.set()
+        time.sleep(evaluate_s)
+        busy.clear()
+        return MetricRecord({"accuracy": float(to_numpy(arrays)["w"][0])})
+
+    def pushes(messages):  # what the next round's push saw: was an evaluation running?
+        during.append(busy.is_set())
+        return ScriptedGrid.push_messages(grid, messages)
+
+    grid.push_messages = pushes
+    started = time.monotonic()
+    strategy.start(grid, ArrayRecord({"w": Array(GLOBAL["w"])}), num_rounds=rounds, timeout=60.0,
+                   train_config=ConfigRecord({}), evaluate_fn=evaluate, evaluate_initial=False,
+                   on_round_end=outcomes.append, poll_interval=0.01, overlap_evaluation=True)
+    return outcomes, during, time.monotonic() - started
+
+
+def test_evaluation_overlaps_the_next_round_and_every_round_still_ends_in_order_with_its_own_state():
+    outcomes, during, wall = _overlapped_run(ScriptedGrid({1: "0", 2: "1"}), rounds=3, evaluate_s=0.4)
+    assert [o.round for o in outcomes] == [1, 2, 3]
+    assert any(during[1:]), "no later round was pushed while an evaluation ran"
+    # each round's adapter moved by one (every node sends ones): its evaluation saw its own adapter
+    assert [o.eval_metrics["accuracy"] for o in outcomes] == [1.0, 2.0, 3.0]
+    assert [to_numpy(o.arrays)["w"][0] for o in outcomes] == [1.0, 2.0, 3.0]
+    assert all(o.phases["evaluate_s"] >= 0.4 and o.seconds >= o.phases["evaluate_s"] for o in outcomes)
+    assert all(o.strategy_state is not None for o in outcomes)
+    assert wall < 3 * 0.4 + 1.5  # the last evaluation is waited for, the earlier ones hid behind rounds
+
+
+def test_a_failed_overlapped_evaluation_ends_the_run_with_its_error():
+    strategy = make_strategy(OuterConfig())
+
+    def evaluate(rnd, arrays):
+        raise RuntimeError(f"the evaluation of round {rnd} broke")
+
+    with pytest.raises(RuntimeError, match="round 1 broke"):
+        strategy.start(ScriptedGrid({1: "0"}), ArrayRecord({"w": Array(np.zeros(3, np.float32))}), num_rounds=4,
+                       timeout=60.0, train_config=ConfigRecord({}), evaluate_fn=evaluate, evaluate_initial=False,
+                       on_round_end=lambda o: None, poll_interval=0.01, overlap_evaluation=True)
+
+
+def test_a_resume_restores_the_record_of_a_round_checkpointed_just_before_a_crash(tmp_path):
+    from nebula_fl.config import RunConfig
+    from nebula_fl.server.app import ServerRun
+    from nebula_fl.server.run_folder import RunFolder
+
+    cfg = RunConfig.from_flat({"out-dir": str(tmp_path / "run"), "resume": True})
+    folder = RunFolder(tmp_path / "run")
+    folder.path.mkdir()
+    folder.write_config({"run_config": cfg.to_flat(), "federation_id": "fed1"})
+    line = {"round": 2, "accuracy": 0.5, "clusters": {}}
+    folder.append_round({"round": 1, "accuracy": 0.25, "clusters": {}})
+    folder.save_checkpoint(round=2, adapter={"w": np.zeros(2, np.float32)},
+                           state={"strategy": {}, "wall_seconds": 3.0, "line": line})
+    first, _, _ = ServerRun(cfg)._open()
+    assert first == 3
+    assert [r["round"] for r in folder.rounds()] == [1, 2] and folder.rounds()[1]["accuracy"] == 0.5
