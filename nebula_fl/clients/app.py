@@ -10,7 +10,9 @@ secure aggregation (key setup, unmasking) to the trainer, which alone holds the 
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -20,6 +22,18 @@ from nebula_fl.clients.protocol import request
 from nebula_fl.errors import NebulaError
 
 app = ClientApp()
+
+
+def process_started_at() -> float | None:
+    """Wall-clock time this process started: its start in kernel ticks since boot (/proc) against CLOCK_BOOTTIME,
+    so the ClientApp's own start-up (interpreter, imports, fetching the message) is timed apart from the wait
+    before Flower started it. None where /proc is not Linux's."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 TRAINER_WAIT_S = 15.0  # a trainer restarting (its launcher restarts it at once) is waited for this long
 
 
@@ -56,6 +70,8 @@ def train(msg: Message, context: Context) -> Message:
     metrics = dict(reply["metrics"])
     metrics["client-seconds"] = time.monotonic() - started
     metrics["received-at"] = received_at
+    if (born := process_started_at()) is not None:
+        metrics["process-started-at"] = born
     metrics["reply-sent-at"] = time.time()  # wall clock, so the server can time the upload of this reply
     content = RecordDict({
         "update": ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in update.items()}),
