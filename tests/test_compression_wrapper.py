@@ -193,3 +193,28 @@ def test_first_contact_sends_the_change_since_the_shared_initial_adapter():
     s.aggregate_train(1, [reply(5, error="resync needed: initial differs")])
     (m2,) = s.configure_train(2, record(GLOBAL), ConfigRecord({}), FakeGrid([5]))
     assert m2.content.config_records["config"]["sync"] == "full"
+
+
+
+def test_adaptive_without_a_configured_link_probes_two_sizes_and_then_chooses():
+    # No profile: the link is measured, which needs uploads of different sizes. A fresh run once sent the chain's
+    # own setting before its cluster was identified and again after: one size, so it measured forever.
+    big = {"a.lora_A": RNG.standard_normal((8, 512)).astype(np.float32)}  # headers do not dominate its sizes
+    layout = Layout.from_arrays(big)
+
+    def size(spec):
+        return Compressor(spec, layout=layout).encoded_size()
+
+    tracker = BandwidthTracker()
+    s = wrapper("topk:0.05+int8", adaptive_target_s=0.05, param_range=(0.01, 0.25), bandwidth=tracker)
+    (first,) = s.configure_train(1, record(big), ConfigRecord({}), FakeGrid([1]))  # not identified yet
+    spec1 = first.content.config_records["config"]["codec-up"]
+    assert Compressor(spec1, layout=layout).param == 0.25
+    tracker.observe("0", bytes_up=size(spec1), seconds=1.0)  # one upload: latency and bandwidth not apart yet
+    spec2 = s._uplink_spec("0", layout)
+    assert s.round_notes()["0"]["adaptive"] == "measuring" and size(spec2) * 1.5 < size(spec1)
+    tracker.observe("0", bytes_up=size(spec2), seconds=0.5)
+    s._uplink_spec("0", layout)  # two sizes: the link is fitted and the setting chosen
+    assert s.round_notes()["0"]["adaptive"] == "chosen"
+    tracker.observe("1", bytes_up=size(spec2), seconds=0.5)  # only the chain's own size seen: the largest next
+    assert Compressor(s._uplink_spec("1", layout), layout=layout).param == 0.25

@@ -109,15 +109,22 @@ class CompressionWrapper(NebulaStrategy):
 
     # -- downlink --------------------------------------------------------------------------------
     def _uplink_spec(self, cluster: str | None, layout: Layout) -> str:
-        if self.adaptive_target_s is None or cluster is None:
+        if self.adaptive_target_s is None:
             return self.codec_up
         options = adaptive.candidates(self.codec_up, low=self.param_range[0], high=self.param_range[1])
         base = Compressor(self.codec_up, layout=layout)
+        if cluster is None:  # not identified yet (its first round): the largest setting, the best first round
+            return base.with_param(max(options)).spec
         bps = self.bandwidth.get(cluster)
         if bps is None:
-            # Not measurable yet: the largest setting first (the best first round), then the chain's own,
-            # so that two uploads of different sizes tell the link's latency from its bandwidth.
-            param = max(options) if self.bandwidth.seen(cluster) == 0 else base.param
+            # Not measurable yet: uploads of different sizes tell the link's latency from its bandwidth, so the
+            # next one is whichever of the largest setting and the chain's own differs more from the last seen.
+            seen = self.bandwidth.observations.get(cluster, [])
+            param = max(options)
+            if seen:
+                last = seen[-1][0]
+                sizes = {p: base.with_param(p).encoded_size() for p in (max(options), base.param)}
+                param = max(sizes, key=lambda p: abs(sizes[p] - last))
             spec = base.with_param(param)
             self.choices[cluster] = {"codec_param": param, "planned_upload_bytes": spec.encoded_size(),
                                      "adaptive": "measuring"}
