@@ -116,7 +116,8 @@ def test_interrupt_after_round_one_then_resume_loses_and_repeats_nothing(tiny_mo
 
     # The same run, uninterrupted and not overlapped: the resumed federation ends on the very same adapter.
     reference = tmp_path / "reference"
-    third = run_cli(*smoke_args(tiny_model, reference, *lossy), name="reference")
+    third = run_cli("run", "--preset", "smoke", "--clusters", "2", "--port", "0", "--out", str(reference),
+                    "--run-config", f'model="{tiny_model}" {TINY} eval-overlap=false', *lossy, name="reference")
     assert third.wait(300) == 0, third.output()[-3000:]
     resumed, straight = load_file(str(out / "adapter.safetensors")), load_file(str(reference / "adapter.safetensors"))
     assert set(resumed) == set(straight)

@@ -149,9 +149,6 @@ def make_plan(args: Any) -> LaunchPlan:
     # wait for every cluster before round 1; go on with at least half of them when some fail later
     flat["wait-for-clusters"] = clusters
     flat["min-clusters"] = (clusters + 1) // 2
-    # Here the server shares this machine's cores with every cluster: evaluating while they train slows both
-    # (on 2 cores, 5x slower evaluation and 1.5-2x slower rounds). Across machines the key's default, on, holds.
-    flat["eval-overlap"] = False
     flat.update(parse_run_config(args.run_config))
     out = Path(args.out).expanduser().resolve() if args.out else _default_out(preset)
     flat["out-dir"] = str(out)

@@ -46,7 +46,7 @@ def results_table(rounds: Sequence[dict[str, Any]], *, initial: dict[str, Any] |
         table.add_column(name, justify="right")
     for cid in cluster_ids:
         table.add_column(f"cluster {cid} up / down", justify="right")
-    table.add_column("seconds", justify="right")
+    table.add_column("done at (s)", justify="right")  # run time when the round was recorded; rounds may overlap
     if initial:
         table.add_row("0", _fmt(initial.get("accuracy")), _fmt(initial.get("macro_f1")), _fmt(initial.get("loss")),
                       "-", *["-" for _ in cluster_ids], "-")
@@ -57,7 +57,7 @@ def results_table(rounds: Sequence[dict[str, Any]], *, initial: dict[str, Any] |
             cells.append(f"{human_bytes(c['bytes_up'])} / {human_bytes(c['bytes_down'])}" if c else "-")
         table.add_row(
             str(line["round"]), _fmt(line.get("accuracy")), _fmt(line.get("macro_f1")), _fmt(line.get("loss")),
-            _fmt(line.get("train_loss")), *cells, f"{line.get('seconds', 0):.1f}",
+            _fmt(line.get("train_loss")), *cells, f"{line.get('elapsed_seconds', 0):.1f}",
         )
     return table
 
