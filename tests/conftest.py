@@ -16,6 +16,11 @@ from nebula_fl.model.tiny import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
+# A suite started in the background by a non-interactive shell inherits SIGINT ignored, and so would every launcher
+# it starts; the interrupt tests send SIGINT as a user's Ctrl-C would, so children start with the default handling.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
