@@ -130,3 +130,12 @@ def test_a_clientapp_process_knows_when_it_started():
     code = "import time; time.sleep(1.5); from nebula_fl.clients.app import process_started_at as p; print(p())"
     started = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert before - 0.05 <= started <= before + 1.0
+
+
+def test_the_launcher_makes_flowers_superexec_poll_every_tenth_of_a_second_unless_told_otherwise(tmp_path, monkeypatch):
+    from nebula_fl.launcher.federation import child_env
+
+    monkeypatch.delenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", raising=False)
+    assert child_env(tmp_path)["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "0.1"
+    monkeypatch.setenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.5")
+    assert child_env(tmp_path)["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "0.5"
