@@ -240,9 +240,10 @@ class ServerRun:
         cum_down = previous[-1]["cumulative_bytes_down"] if previous else 0
         clusters: dict[str, dict[str, Any]] = {}
         rejected: dict[str, str] = {}
+        cluster_of: dict[int, str] = {}
         for node_id, traffic in outcome.nodes.items():
             known = traffic.metrics.get("cluster-id")
-            cid = str(int(known)) if isinstance(known, int | float) else (
+            cid = cluster_of[node_id] = str(int(known)) if isinstance(known, int | float) else (
                 self.strategy.directory.get(node_id) or f"node-{node_id}")
             clusters[cid] = {"node_id": node_id, "bytes_up": traffic.bytes_up, "bytes_down": traffic.bytes_down,
                              **{k.replace("-", "_"): v for k, v in traffic.metrics.items() if k != "cluster-id"}}
@@ -282,8 +283,8 @@ class ServerRun:
         }
         timed = {}
         for node_id, traffic in outcome.nodes.items():
-            cid = next((c for c, entry in clusters.items() if entry.get("node_id") == node_id), None)
-            if cid is not None and traffic.error is None:
+            cid = cluster_of[node_id]
+            if clusters[cid].get("node_id") == node_id and traffic.error is None:  # the node its record names
                 timed[cid] = cluster_phases(pushed_at=traffic.pushed_at, arrived_at=traffic.arrived_at,
                                             metrics=traffic.metrics, wire_s=wan.get(cid, {}).get("wan_wire_seconds"))
         # The checkpoint holds this line, so a crash between the two never loses the record of a checkpointed round.
