@@ -78,7 +78,7 @@ class Tracked:
             for proc in root.children(recursive=True):
                 try:  # the latest command line: a child caught between its fork and its exec shows its parent's
                     created = proc.create_time()
-                    command = " ".join(proc.cmdline())[:160]
+                    command = " ".join(proc.cmdline())
                     self.shown.add((proc.pid, command))
                     if same_start(self.seen.get(proc.pid, (created,))[0], created):
                         self.seen[proc.pid] = (created, command)
@@ -89,7 +89,8 @@ class Tracked:
 
     @property
     def commands(self) -> list[str]:
-        """Every command line seen, once per process that showed it."""
+        """Every command line seen, once per process that showed it (a child between its fork and its exec shows
+        its parent's: count distinct lines, not entries, to count processes started with a command)."""
         return [command for _, command in sorted(self.shown)]
 
     def wait(self, timeout: float, until=None) -> int:

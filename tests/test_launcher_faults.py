@@ -23,7 +23,7 @@ def _find(cli, *words: str) -> psutil.Process:
     for pid, (created, _) in cli.seen.items():
         try:
             proc = psutil.Process(pid)
-            cmd = " ".join(proc.cmdline())  # whole: Tracked keeps only the first 160 characters
+            cmd = " ".join(proc.cmdline())
             if same_start(proc.create_time(), created) and all(w in cmd for w in words):
                 return proc
         except psutil.Error:
