@@ -267,6 +267,9 @@ class DataConfig(Section):
              fix=f"use 0 (all) or more (at most {MAX_EXAMPLES})")
 
 
+LORA_MODES = ("auto", "standard", "frozen-a")
+
+
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig(Section):
     """The base model and the LoRA adapter that is the only thing trained and exchanged."""
@@ -284,6 +287,11 @@ class ModelConfig(Section):
     """Dropout on the LoRA branch; in [0, 1)."""
     lora_target_modules: str = "query,value"
     """Comma-separated names of the linear layers that get LoRA adapters; at most 1,024 characters."""
+    lora_mode: str = "auto"
+    """'standard' (A and B trained and averaged separately, as FlowerTune does: the mean of the products is
+    not the product of the means), 'frozen-a' (FFA-LoRA: A drawn from the run's seed, the same on every
+    cluster and never trained or sent; only B and the head cross the WAN and the average is exact), or
+    'auto': frozen-a under `privacy.mode="sample"`, standard otherwise."""
 
     def __post_init__(self) -> None:
         _path("model", self.model, fix="name 'minilm' or a transformers model folder")
@@ -294,6 +302,8 @@ class ModelConfig(Section):
         _real("lora-dropout", self.lora_dropout, low=0, high=1, high_open=True, fix="use a probability in [0, 1)")
         _text("lora-target-modules", self.lora_target_modules, max_len=1024,
               fix="list layer names such as 'query,value'")
+        _require(isinstance(self.lora_mode, str) and self.lora_mode in LORA_MODES, "lora-mode",
+                 f"is {_show(self.lora_mode)}", f"use one of {', '.join(LORA_MODES)}")
         _require(bool(self.target_modules()), "lora-target-modules",
                  f"is {_show(self.lora_target_modules)}, which names no module", "list layer names such as 'query,value'")
 
@@ -460,6 +470,14 @@ class PrivacyConfig(Section):
     """'prv' (tighter) or 'rdp'."""
     max_epsilon: float | None = None
     """Budget: a cluster ('sample') or the federation ('client') refuses a round that would pass it; finite, > 0."""
+    batch_size: int | None = None
+    """'sample': the expected examples of one DP-SGD step per cluster (its logical batch, Poisson-sampled; each
+    worker computes it in chunks of `batch-size` through Opacus's BatchMemoryManager); "auto" = an eighth of
+    the cluster's examples (at least `batch-size` x workers): DP-SGD's noise on the mean is sigma C / batch.
+    1 to 1,000,000."""
+    lr: float | None = None
+    """'sample': the inner learning rate; "auto" = `lr` x sqrt(logical batch / (batch-size x workers)); > 0, at
+    most 10."""
 
     def __post_init__(self) -> None:
         _require(self.mode in PRIVACY_MODES, "privacy.mode", f"is '{self.mode}'", f"use one of {', '.join(PRIVACY_MODES)}")
@@ -475,6 +493,11 @@ class PrivacyConfig(Section):
                      f"is {self.target_epsilon}", "use a finite ε > 0")
         if self.delta is not None:
             _require(0 < self.delta < 1, "privacy.delta", f"is {self.delta}", "use a value in (0, 1) or \"auto\"")
+        if self.batch_size is not None:
+            _int("privacy.batch-size", self.batch_size, low=1, high=1_000_000,
+                 fix="use an expected batch of 1 or more (at most 1000000), or \"auto\"")
+        if self.lr is not None:
+            _real("privacy.lr", self.lr, low=0, high=10, low_open=True, fix="use a learning rate > 0 (at most 10) or \"auto\"")
         if self.max_epsilon is not None:
             _require(math.isfinite(self.max_epsilon) and self.max_epsilon > 0, "privacy.max-epsilon",
                      f"is {self.max_epsilon}", "use a finite ε > 0 or \"auto\" (no budget)")

@@ -48,6 +48,7 @@ BAD: dict[str, list] = {
     "lora-alpha": [-1, 0, 65_537, *INT_BAD],
     "lora-dropout": [-0.1, 1, 1.0, *FLOAT_BAD],
     "lora-target-modules": ["", ",", " , ", "query\x00", "x" * 1025, *TEXT_BAD],
+    "lora-mode": ["", "product", "frozen_a", "Standard", *TEXT_BAD],
     # train
     "local-steps": [-1, 0, 1_000_001, *INT_BAD],
     "batch-size": [-1, 0, 65_537, *INT_BAD],
@@ -91,7 +92,8 @@ EDGES: dict[str, list] = {
     "out-dir": ["", "/tmp/" + "a" * 255, "runs/é x"], "eval-batch-size": [65_536], "dataset": ["a" * 255],
     "partition": ["iid", "dirichlet:1e6", "dirichlet:1e-9"], "test-fraction": [1e-9, 0.999], "max-examples": [10**9],
     "max-seq-len": [8, 512], "lora-r": [1, 1024], "lora-alpha": [65_536], "lora-dropout": [0, 0.999],
-    "lora-target-modules": ["query", "attention.self.query,dense"], "local-steps": [1_000_000], "batch-size": [65_536],
+    "lora-target-modules": ["query", "attention.self.query,dense"],
+    "lora-mode": ["standard", "frozen-a"], "local-steps": [1_000_000], "batch-size": [65_536],
     "lr": [1e-12, 10], "weight-decay": [0, 10], "max-grad-norm": [0, 1e6], "lr-min-ratio": [0, 1],
     "outer-lr": ["auto", 10], "outer-momentum": ["auto", 0, 0.999], "outer-beta1": [0], "outer-beta2": [0.9999],
     "outer-eps": [1e-300, 1], "comm.codec": ["none", "topk:0.05+int8", "lowrank:1024"], "comm.codec-down": ["same"],

@@ -89,6 +89,23 @@ def test_two_clusters_two_rounds_with_real_flower(tiny_model, run_cli, tmp_path)
     assert "round 2/2" in cli.output()
 
 
+def test_frozen_a_runs_end_to_end_and_sends_only_b_and_the_head(tiny_model, run_cli, tmp_path):
+    out = tmp_path / "run"
+    args = ["run", "--preset", "smoke", "--clusters", "2", "--port", "0", "--out", str(out),
+            "--run-config", f'model="{tiny_model}" {TINY} lora-mode="frozen-a"']
+    cli = run_cli(*args, name="frozen-a")
+    assert cli.wait(300) == 0, cli.output()[-4000:]
+    assert cli.survivors() == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["final_accuracy"] > summary["initial_evaluation"]["accuracy"]
+    adapter = load_file(str(out / "adapter.safetensors"))
+    assert any(".lora_B." in k for k in adapter) and not any(".lora_A." in k for k in adapter)
+    sent = sum(v.nbytes for v in adapter.values())  # B and the head only: what each update carries
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert sent < first["clusters"]["0"]["bytes_up"] < 1.2 * sent + 4000
+
+
 def test_interrupt_after_round_one_then_resume_loses_and_repeats_nothing(tiny_model, run_cli, tmp_path):
     # a lossy codec both ways: the resumed server must find each cluster's view (and each cluster its
     # residual) again, or the first resumed round would compress another change and the adapters differ
@@ -190,8 +207,10 @@ def test_privacy_budgets_stop_each_cluster_and_the_run_ends_cleanly(tiny_model, 
     out = tmp_path / "run"
     # RDP at sigma 1, 8 steps a round: cluster 0 (144 examples, q 1/9) reaches 3.49, 4.28, 4.90; cluster 1
     # (96 examples, q 1/6) 4.66, 5.92. A budget of 4.8 lets cluster 1 train once and cluster 0 twice.
+    # (privacy.batch-size=16: one batch per step, not the DP recipe's n/8, so q is as stated; the recipe's other
+    # defaults, frozen-a LoRA and the rate rule, run here end to end)
     dp = ('privacy.mode="sample" privacy.noise-multiplier=1.0 privacy.delta=1e-5 privacy.accountant="rdp" '
-          "privacy.max-epsilon=4.8")
+          "privacy.batch-size=16 privacy.max-epsilon=4.8")
     cli = run_cli("run", "--preset", "smoke", "--clusters", "2", "--port", "0", "--out", str(out), "--rounds", "5",
                   "--run-config", f'model="{tiny_model}" {TINY} {dp}', name="dp")
     assert cli.wait(300) == 0, cli.output()[-4000:]
@@ -210,6 +229,7 @@ def test_privacy_budgets_stop_each_cluster_and_the_run_ends_cleanly(tiny_model, 
     assert eps[1][0] == pytest.approx(4.278, abs=2e-3) and eps[1][1] == pytest.approx(4.659, abs=2e-3)
     assert max(e for row in eps for e in row if e is not None) <= 4.8  # nobody went past the budget
     assert lines[1]["clusters_aggregated"] == 1 and lines[2]["clusters_aggregated"] == 0
+    assert not any(".lora_A." in k for k in load_file(str(out / "adapter.safetensors")))  # lora-mode auto: frozen-a
 
     report = subprocess.run(nebula_cmd("privacy-report", str(out)), capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr

@@ -31,13 +31,16 @@ def parts(tiny_model):
     return fresh, data
 
 
-def one_step(model, data, *, private: bool, noise: float, clip: float, optimizer_cls=torch.optim.SGD, lr=0.5):
+def one_step(model, data, *, private: bool, noise: float, clip: float, optimizer_cls=torch.optim.SGD, lr=0.5,
+             physical=None):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = optimizer_cls(params, lr=lr)
     if private:
         training = make_private(model=model, optimizer=optimizer, data=data, batch_size=len(data),
-                                noise_multiplier=noise, max_grad_norm=clip, distributed=False, poisson_sampling=False)
-        train_private_steps(training, Batches(training.loader), steps=1, device=torch.device("cpu"))
+                                noise_multiplier=noise, max_grad_norm=clip, distributed=False, poisson_sampling=False,
+                                physical_batch_size=physical)
+        losses = train_private_steps(training, Batches(training.loader), steps=1, device=torch.device("cpu"))
+        assert len(losses) == 1 and np.isfinite(losses[0])
     else:
         model.train()
         batch = data.batch(range(len(data)))
@@ -59,6 +62,21 @@ def test_without_noise_or_clipping_a_dp_step_is_a_plain_step(parts):
         np.testing.assert_allclose(dp[k], plain[k], rtol=1e-4, atol=1e-6, err_msg=k)
     assert any(not np.allclose(plain[k], before[k]) for k in plain)  # the step did move the adapter
     assert all(np.isfinite(v).all() for v in dp.values())
+
+
+def test_a_logical_batch_in_physical_chunks_is_one_step_over_the_whole_batch(parts):
+    """privacy.batch-size > batch-size: Opacus accumulates clipped chunks and steps once, as one plain step."""
+    fresh, data = parts
+    plain = one_step(fresh(), data, private=False, noise=0.0, clip=1e9, optimizer_cls=torch.optim.AdamW, lr=1e-2)
+    chunked = one_step(fresh(), data, private=True, noise=0.0, clip=1e9, optimizer_cls=torch.optim.AdamW, lr=1e-2,
+                       physical=3)
+    model = fresh()
+    probe = make_private(model=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad]),
+                         data=data, batch_size=len(data), noise_multiplier=0.0, max_grad_norm=1e9, distributed=False,
+                         poisson_sampling=False, physical_batch_size=3)
+    assert sorted(len(chunk[0]) for chunk in probe.loader) == [2, 3, 3]  # the step above saw three chunks
+    for k in plain:
+        np.testing.assert_allclose(chunked[k], plain[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
 def test_clipping_bounds_each_example_and_noise_has_the_configured_scale(parts):

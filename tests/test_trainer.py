@@ -136,7 +136,8 @@ def test_compressed_exchange_keeps_views_and_error_feedback_across_a_restart(tmp
 def test_sample_level_dp_accounts_across_rounds_restarts_and_enforces_the_budget(tmp_path, tiny_model, round_config):
     cfg, make = round_config
     start = adapter_arrays(build_model(cfg.model, num_labels=5, seed=0))
-    dp = {"privacy.mode": "sample", "privacy.noise-multiplier": 1.0, "privacy.max-grad-norm": 1.0,
+    # standard LoRA, as the server built it (lora-mode "auto" would be frozen-a under sample DP)
+    dp = {"lora-mode": "standard", "privacy.mode": "sample", "privacy.noise-multiplier": 1.0, "privacy.max-grad-norm": 1.0,
           "privacy.accountant": "rdp", "privacy.delta": 1e-5, "privacy.target-epsilon": "auto",
           "privacy.max-epsilon": "auto", "num-server-rounds": 3}
     proc, sock, _ = start_trainer(tmp_path, tiny_model, "dp")
@@ -176,3 +177,36 @@ def test_sample_level_dp_accounts_across_rounds_restarts_and_enforces_the_budget
     assert refused["metrics"]["privacy-refused"] == 1 and update == {}
     assert "would be exceeded" in refused["metrics"]["privacy-reason"]
     assert refused["metrics"]["epsilon"] == pytest.approx(m2["epsilon"], rel=1e-9)  # nothing was spent
+
+
+def test_frozen_a_sends_only_b_and_refuses_a_server_with_another_a(tmp_path, tiny_model, round_config):
+    from nebula_fl.model.frozen_a import fingerprint
+
+    cfg, make = round_config
+    frozen = cfg.replace({"lora-mode": "frozen-a"})
+    server = build_model(frozen.model, num_labels=5, seed=0)
+    start, mine = adapter_arrays(server), fingerprint(server)
+    other = fingerprint(build_model(frozen.model, num_labels=5, seed=1))
+    base = {**make(1), **frozen.model.to_flat(), "frozen-fingerprint": mine}
+    dp = {"privacy.mode": "sample", "privacy.noise-multiplier": 1.0, "privacy.max-grad-norm": 1.0,
+          "privacy.accountant": "rdp", "privacy.delta": 1e-5, "privacy.target-epsilon": "auto",
+          "privacy.max-epsilon": "auto", "num-server-rounds": 2, "federation-id": "fdp", "privacy.batch-size": 12}
+    proc, sock, hello = start_trainer(tmp_path, tiny_model, "frozen")
+    try:
+        reply, update = request(sock, {"op": "train", "config": base}, start)
+        assert reply["metrics"]["rank-divergence"] == 0.0
+        assert set(update) == set(start) and not any(".lora_A." in k for k in update)
+        assert any(float(np.abs(v).sum()) > 0 for k, v in update.items() if ".lora_B." in k)  # B trains
+        # Opacus trains B and the head with A frozen (its per-example gradients skip frozen tensors), here in
+        # logical batches of 12 expected examples (privacy.batch-size) that 2 workers compute in chunks of 4
+        dp_reply, private = request(sock, {"op": "train", "config": {**base, **dp}}, start)
+        assert set(private) == set(start) and all(np.isfinite(v).all() for v in private.values())
+        m, n = dp_reply["metrics"], hello["num_examples"]
+        assert m["sample-rate"] == pytest.approx(1 / math.ceil(n / 12)) and m["dp-steps"] == 4
+        assert m["examples-seen"] == 4 * 12
+        with pytest.raises(NebulaError, match=r"frozen LoRA A .* differs from the server's"):
+            request(sock, {"op": "train", "config": {**base, "frozen-fingerprint": other, "federation-id": "f2"}}, start)
+        with pytest.raises(NebulaError, match="frozen LoRA A"):  # a standard server, a frozen cluster
+            request(sock, {"op": "train", "config": {**base, "frozen-fingerprint": "", "federation-id": "f3"}}, start)
+    finally:
+        stop(proc)

@@ -16,6 +16,7 @@ from nebula_fl.config import PrivacyConfig, TrainConfig
 from nebula_fl.errors import ConfigError
 from nebula_fl.privacy.budget import noise_for_target, verdict
 from nebula_fl.privacy.cluster_ledger import ClusterLedger
+from nebula_fl.privacy.dp_recipe import logical_batch
 from nebula_fl.privacy.policy import Admission, PrivacyPolicy, PrivacyRequest, admit, refuse
 
 
@@ -25,9 +26,9 @@ def _sigma_for(target_epsilon: float, delta: float, sample_rate: float, steps: i
                             accountant=accountant)
 
 
-def sample_rate_for(num_examples: int, *, batch_size: int, world: int) -> float:
+def sample_rate_for(num_examples: int, *, logical_batch: int) -> float:
     """q of the cluster's Poisson-sampled DP-SGD: its expected logical batch over its examples (as Opacus sets it)."""
-    return 1.0 / math.ceil(num_examples / (batch_size * world))
+    return 1.0 / math.ceil(num_examples / logical_batch)
 
 
 class PrivacyGate:
@@ -50,7 +51,9 @@ class PrivacyGate:
             )
         except (ConfigError, TypeError, ValueError, OverflowError) as err:
             return refuse(f"the round's privacy request is malformed: {err}")
-        q = sample_rate_for(self.num_examples, batch_size=train.batch_size, world=world)
+        q = sample_rate_for(self.num_examples, logical_batch=logical_batch(
+            requested=asked.batch_size, num_examples=self.num_examples, batch_size=train.batch_size, world=world,
+            private=asked.mode == "sample"))
         planned = max(1, rounds) * (1 if asked.mode == "client" else train.local_steps)
         accountant = self.policy.accountant
 

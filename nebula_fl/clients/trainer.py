@@ -33,12 +33,14 @@ from nebula_fl.clients.reply_cache import FEDERATION_ID
 from nebula_fl.clients.snapshots import SnapshotStore
 from nebula_fl.comm.views import view_crc
 from nebula_fl.compression import CodecError, Compressor, Layout
-from nebula_fl.config import ModelConfig, TrainConfig
+from nebula_fl.config import ModelConfig, PrivacyConfig, TrainConfig
 from nebula_fl.data.datasets import TextDataset
 from nebula_fl.errors import NebulaError
 from nebula_fl.model.adapter import adapter_arrays, load_adapter_arrays
 from nebula_fl.model.batches import TokenizedTexts
+from nebula_fl.model.frozen_a import fingerprint
 from nebula_fl.model.loading import build_model, load_tokenizer
+from nebula_fl.privacy.dp_recipe import learning_rate, logical_batch
 from nebula_fl.privacy.policy import Admission
 
 Arrays = dict[str, np.ndarray]
@@ -83,8 +85,15 @@ class ClusterTrainer:
         model_cfg = ModelConfig.from_flat(config)
         train_cfg = TrainConfig.from_flat(config)
         labels = list(config["labels"])
+        asked = PrivacyConfig.from_flat(config)
+        private = admission.mode == "sample"
+        self.logical_batch = logical_batch(requested=asked.batch_size if private else None,
+                                           num_examples=len(self.ctx.shard), batch_size=train_cfg.batch_size,
+                                           world=self.ctx.world, private=private)
+        self.dp_lr = learning_rate(requested=asked.lr, lr=train_cfg.lr, logical=self.logical_batch,
+                                   batch_size=train_cfg.batch_size, world=self.ctx.world)
         key = json.dumps([config["federation-id"], model_cfg.to_flat(), labels, config["seed"], admission.mode,
-                          train_cfg.batch_size], sort_keys=True)
+                          train_cfg.batch_size, self.logical_batch, self.dp_lr], sort_keys=True)
         if key == self.setup_key:
             return
         names = self.ctx.shard.label_names
@@ -103,8 +112,16 @@ class ClusterTrainer:
         self.federation_id = federation_id
         self.snapshots = SnapshotStore(self.ctx.state_dir / "snapshots" / federation_id)
         self.seed = int(config["seed"])
-        model = build_model(model_cfg, num_labels=len(labels), seed=self.seed, path=self.ctx.model_path)
+        model = build_model(model_cfg, num_labels=len(labels), seed=self.seed, path=self.ctx.model_path,
+                            privacy_mode=asked.mode)
         self.peft = model.to(self.ctx.device)
+        mine_fp, theirs_fp = fingerprint(model), str(config.get("frozen-fingerprint", ""))
+        if mine_fp != theirs_fp:
+            raise RequestError(
+                f"cluster {self.ctx.cluster_id}'s frozen LoRA A (fingerprint {mine_fp[:12] or 'none'}) differs from the "
+                f"server's ({theirs_fp[:12] or 'none'}): the two sides build different models; use the same model "
+                "files, lora-* keys and seed on both sides"
+            )
         self.mode = admission.mode
         initial = adapter_arrays(self.peft)
         if self.mode == "sample":
@@ -143,7 +160,7 @@ class ClusterTrainer:
         params = [p for p in self.peft.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
         self.private = make_private(model=self.peft, optimizer=optimizer, data=self.dp_data,
-                                    batch_size=train_cfg.batch_size * self.ctx.world,
+                                    batch_size=self.logical_batch, physical_batch_size=train_cfg.batch_size,
                                     noise_multiplier=admission.noise_multiplier, max_grad_norm=admission.max_grad_norm,
                                     distributed=self.ctx.world > 1)
         if not math.isclose(self.private.sample_rate, admission.sample_rate, rel_tol=1e-12):
@@ -279,8 +296,9 @@ class ClusterTrainer:
             train_cfg = TrainConfig.from_flat(config)
             self.setup(config, admission)
             self._restore_before(server_round, train_cfg)
+            base_lr = self.dp_lr if self.mode == "sample" else train_cfg.lr
             for group in self.optimizer.param_groups:
-                group["lr"], group["weight_decay"] = train_cfg.lr, train_cfg.weight_decay
+                group["lr"], group["weight_decay"] = base_lr, train_cfg.weight_decay
             global_arrays, view = self._receive(config, payload)
             load_adapter_arrays(self.peft, global_arrays)
         except (NebulaError, ValueError, KeyError) as err:
@@ -292,7 +310,7 @@ class ClusterTrainer:
         done_before = (server_round - 1) * train_cfg.local_steps
 
         def lr_at(i: int) -> float:
-            return scheduled_lr(train_cfg.lr, progress=(done_before + i) / total_steps,
+            return scheduled_lr(base_lr, progress=(done_before + i) / total_steps,
                                 schedule=train_cfg.lr_schedule, min_ratio=train_cfg.lr_min_ratio)
 
         if admission.mode != "off":
@@ -347,7 +365,8 @@ class ClusterTrainer:
         metrics = {
             "cluster-id": self.ctx.cluster_id,
             "num-examples": len(self.ctx.shard),
-            "examples-seen": int(train_cfg.local_steps * train_cfg.batch_size * self.ctx.world),
+            "examples-seen": int(train_cfg.local_steps * (self.logical_batch if self.mode == "sample"
+                                                          else train_cfg.batch_size * self.ctx.world)),
             "steps": int(train_cfg.local_steps),
             "train-loss": float(np.mean(rank_losses)),
             "seconds": float(seconds),

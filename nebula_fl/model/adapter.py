@@ -1,7 +1,8 @@
 """The adapter as a dict of NumPy arrays: what crosses the WAN, and nothing of the base model.
 
 PEFT's own ``get_peft_model_state_dict`` / ``set_peft_model_state_dict`` decide which tensors belong
-to the adapter (the LoRA factors and the modules-to-save head); this module only converts and checks.
+to the adapter (the LoRA factors and the modules-to-save head); this module only converts and checks, and
+leaves out what `lora-mode="frozen-a"` fixed from the run's seed (LoRA A): it is never exchanged.
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ import torch
 from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
 from nebula_fl.comm.validation import check_arrays
+from nebula_fl.model.frozen_a import frozen_keys
 
 Arrays = dict[str, np.ndarray]
 
 
 def adapter_arrays(model: PeftModel) -> Arrays:
-    """Copies of the adapter tensors as float32 NumPy arrays, keyed as PEFT names them."""
-    return {k: v.detach().cpu().float().numpy().copy() for k, v in get_peft_model_state_dict(model).items()}
+    """Copies of the exchanged adapter tensors as float32 NumPy arrays, keyed as PEFT names them."""
+    fixed = frozen_keys(model)
+    return {k: v.detach().cpu().float().numpy().copy() for k, v in get_peft_model_state_dict(model).items()
+            if k not in fixed}
 
 
 def load_adapter_arrays(model: PeftModel, arrays: Mapping[str, np.ndarray]) -> None:
@@ -31,4 +35,5 @@ def load_adapter_arrays(model: PeftModel, arrays: Mapping[str, np.ndarray]) -> N
 
 
 def adapter_shapes(model: PeftModel) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model).items()}
+    fixed = frozen_keys(model)
+    return {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model).items() if k not in fixed}

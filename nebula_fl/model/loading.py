@@ -10,7 +10,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from nebula_fl.config import ModelConfig
 from nebula_fl.errors import NebulaError
 from nebula_fl.model.classifier import SequenceClassifier
+from nebula_fl.model.frozen_a import freeze_shared_a
 from nebula_fl.model.locate import resolve_model_path
+from nebula_fl.privacy.dp_recipe import lora_mode
 
 HEAD = "head"
 
@@ -36,11 +38,14 @@ def build_classifier(path: Path, *, num_labels: int, seed: int) -> SequenceClass
     return SequenceClassifier(encoder, hidden_size=encoder.config.hidden_size, num_labels=num_labels)
 
 
-def build_model(cfg: ModelConfig, *, num_labels: int, seed: int, path: Path | None = None) -> PeftModel:
+def build_model(cfg: ModelConfig, *, num_labels: int, seed: int, path: Path | None = None,
+                privacy_mode: str = "off") -> PeftModel:
     """The classifier wrapped by LoRA; only the adapter and the head train.
 
     The same (cfg, num_labels, seed) gives the same initial adapter everywhere, but only the server's
-    initial adapter matters: clusters overwrite theirs with the global one every round.
+    initial adapter matters: clusters overwrite theirs with the global one every round. Under
+    `lora-mode="frozen-a"` (the default under `privacy_mode="sample"`) LoRA A comes from the seed alone and
+    is frozen (see ``frozen_a``).
     """
     path = path or resolve_model_path(cfg.model)
     model = build_classifier(path, num_labels=num_labels, seed=seed)
@@ -58,4 +63,7 @@ def build_model(cfg: ModelConfig, *, num_labels: int, seed: int, path: Path | No
         target_modules=cfg.target_modules(),
         modules_to_save=[HEAD],
     )
-    return get_peft_model(model, lora)
+    peft = get_peft_model(model, lora)
+    if lora_mode(requested=cfg.lora_mode, privacy_mode=privacy_mode) == "frozen-a":
+        freeze_shared_a(peft, seed=seed)
+    return peft

@@ -2,7 +2,10 @@
 
 Opacus does the work: per-example gradients (GradSampleModule), clipping and noise (DPOptimizer; with
 several ranks its DistributedDPOptimizer and DPDDP, so the cluster's whole logical batch is clipped
-and noised once), and Poisson sampling (DPDataLoader; with several ranks its distributed sampler).
+and noised once), Poisson sampling (DPDataLoader; with several ranks its distributed sampler), and
+logical batches larger than memory allows (its BatchMemoryManager's splitting sampler: the optimizer
+accumulates clipped chunks and steps, with noise, once per logical batch). DP-SGD's noise on the mean
+gradient is sigma C / batch, so large logical batches are the first thing it needs.
 Its own accountant is not used: the cluster's ``PrivacyLedger`` records every step of the run and is
 checkpointed with the trainer. Sampling and noise draw from torch's global RNG (``secure_mode`` off),
 which the trainer snapshots, so a resumed run continues exactly.
@@ -52,19 +55,19 @@ class PrivateTraining:
     optimizer: Any  # opacus DPOptimizer
     loader: DataLoader
 
-    @property
-    def sample_rate(self) -> float:
-        """Probability that an example is in a step's (logical, cluster-wide) batch."""
-        return 1.0 / len(self.loader)
+    sample_rate: float  # probability that an example is in a step's (logical, cluster-wide) batch
 
 
 def make_private(
     *, model: nn.Module, optimizer: torch.optim.Optimizer, data: TokenizedTexts, batch_size: int,
     noise_multiplier: float, max_grad_norm: float, distributed: bool, poisson_sampling: bool = True,
+    physical_batch_size: int | None = None,
 ) -> PrivateTraining:
-    """Wrap model, optimizer and data for DP-SGD; `batch_size` is the cluster's expected logical batch."""
+    """Wrap model, optimizer and data for DP-SGD; `batch_size` is the cluster's expected logical batch, computed
+    by each worker in chunks of at most `physical_batch_size` examples (default: the whole batch at once)."""
     from opacus import PrivacyEngine
     from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+    from opacus.utils.batch_memory_manager import wrap_data_loader
 
     model.train()  # Opacus's hooks need train mode; from_pretrained returns eval mode
     module = DPDDP(model) if distributed else model
@@ -76,7 +79,10 @@ def make_private(
         module=module, optimizer=optimizer, data_loader=loader, noise_multiplier=noise_multiplier,
         max_grad_norm=max_grad_norm, poisson_sampling=poisson_sampling, grad_sample_mode="hooks",
     )
-    return PrivateTraining(module, dp_optimizer, dp_loader)
+    sample_rate = 1.0 / len(dp_loader)
+    if physical_batch_size is not None:
+        dp_loader = wrap_data_loader(data_loader=dp_loader, max_batch_size=physical_batch_size, optimizer=dp_optimizer)
+    return PrivateTraining(module, dp_optimizer, dp_loader, sample_rate)
 
 
 class Batches:
@@ -101,20 +107,33 @@ class Batches:
 
 def train_private_steps(training: PrivateTraining, batches: Batches, *, steps: int, device: torch.device,
                         lr_at=None) -> list[float]:
-    """`steps` DP-SGD steps; returns the loss of each (NaN for an empty Poisson batch)."""
+    """`steps` DP-SGD steps (logical batches); returns the mean loss of each (NaN for an empty Poisson batch).
+
+    A logical batch arrives as one or more physical chunks; the optimizer steps (clip, sum, noise, update)
+    only after the last one, which Opacus's splitting sampler signals. Each worker counts its own real steps,
+    so workers whose Poisson batches split into different numbers of chunks still meet at every step's
+    all-reduce.
+    """
     training.module.train()
-    losses = []
-    for i in range(steps):
+    optimizer = training.optimizer
+    losses: list[float] = []
+    chunk_losses: list[tuple[float, int]] = []
+    while len(losses) < steps:
         if lr_at is not None:
-            for group in training.optimizer.param_groups:
-                group["lr"] = lr_at(i)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(len(losses))
         ids, mask, labels = (t.to(device) for t in batches.next())
-        training.optimizer.zero_grad(set_to_none=True)
         # An empty Poisson batch (rare) goes through the same path: no per-example gradient, so the
         # step is pure noise, as the mechanism requires; its loss is NaN and is left out of the mean.
         logits = training.module(input_ids=ids, attention_mask=mask)
         loss = nn.functional.cross_entropy(logits, labels)
         loss.backward()
-        training.optimizer.step()
-        losses.append(float(loss.detach()) if ids.shape[0] else float("nan"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # after a skipped step Opacus keeps the accumulated sum
+        if ids.shape[0]:
+            chunk_losses.append((float(loss.detach()), int(ids.shape[0])))
+        if not optimizer._is_last_step_skipped:  # Opacus's flag: this chunk ended a logical batch
+            total = sum(n for _, n in chunk_losses)
+            losses.append(sum(v * n for v, n in chunk_losses) / total if total else float("nan"))
+            chunk_losses = []
     return losses

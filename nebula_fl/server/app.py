@@ -198,7 +198,7 @@ class ServerRun:
         train_config = ConfigRecord(
             {**cfg.train.to_flat(), **cfg.model.to_flat(), **cfg.privacy.to_flat(), "labels": list(evaluator.labels),
              "federation-id": self.federation_id, "seed": cfg.federation.seed,
-             "num-server-rounds": cfg.federation.num_server_rounds}
+             "frozen-fingerprint": evaluator.frozen_fingerprint(), "num-server-rounds": cfg.federation.num_server_rounds}
         )
 
         def evaluate_fn(server_round: int, record: ArrayRecord) -> MetricRecord:

@@ -14,6 +14,7 @@ from nebula_fl.data.datasets import train_test_split
 from nebula_fl.model.adapter import adapter_arrays, load_adapter_arrays
 from nebula_fl.model.batches import TokenizedTexts
 from nebula_fl.model.evaluation import evaluate
+from nebula_fl.model.frozen_a import fingerprint
 from nebula_fl.model.loading import build_model, load_tokenizer
 from nebula_fl.model.locate import resolve_model_path
 
@@ -24,7 +25,8 @@ class ServerEvaluator:
         _, test = train_test_split(cfg.data, seed=seed)
         self.labels = test.label_names
         path = resolve_model_path(cfg.model.model)
-        self.model = build_model(cfg.model, num_labels=len(self.labels), seed=seed, path=path)
+        self.model = build_model(cfg.model, num_labels=len(self.labels), seed=seed, path=path,
+                                 privacy_mode=cfg.privacy.mode)
         self.data = TokenizedTexts(load_tokenizer(path), test.texts, test.labels, max_len=cfg.model.max_seq_len)
         self.batch_size = cfg.federation.eval_batch_size
         self.num_test = len(test)
@@ -32,6 +34,10 @@ class ServerEvaluator:
     def initial_adapter(self) -> dict[str, np.ndarray]:
         """The seeded initial adapter (LoRA A random, B zero; head random) every cluster starts from."""
         return adapter_arrays(self.model)
+
+    def frozen_fingerprint(self) -> str:
+        """What every cluster's frozen LoRA A must hash to ('' unless `lora-mode="frozen-a"`)."""
+        return fingerprint(self.model)
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         load_adapter_arrays(self.model, {k: a.numpy() for k, a in arrays.items()})
