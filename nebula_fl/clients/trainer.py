@@ -93,7 +93,7 @@ class ClusterTrainer:
         self.dp_lr = learning_rate(requested=asked.lr, lr=train_cfg.lr, logical=self.logical_batch,
                                    batch_size=train_cfg.batch_size, world=self.ctx.world)
         key = json.dumps([config["federation-id"], model_cfg.to_flat(), labels, config["seed"], admission.mode,
-                          train_cfg.batch_size, self.logical_batch, self.dp_lr], sort_keys=True)
+                          train_cfg.batch_size, self.logical_batch], sort_keys=True)
         if key == self.setup_key:
             return
         names = self.ctx.shard.label_names
@@ -365,8 +365,7 @@ class ClusterTrainer:
         metrics = {
             "cluster-id": self.ctx.cluster_id,
             "num-examples": len(self.ctx.shard),
-            "examples-seen": int(train_cfg.local_steps * (self.logical_batch if self.mode == "sample"
-                                                          else train_cfg.batch_size * self.ctx.world)),
+            "examples-seen": int(train_cfg.local_steps * self.logical_batch),  # expected, under sample DP
             "steps": int(train_cfg.local_steps),
             "train-loss": float(np.mean(rank_losses)),
             "seconds": float(seconds),
