@@ -55,24 +55,26 @@ def main() -> int:
             model=model, optimizer=torch.optim.AdamW(params, lr=1e-2), data=data, batch_size=args.logical,
             noise_multiplier=1.0, max_grad_norm=1.0, distributed=False, physical_batch_size=args.physical,
             sort_by_length=sort)
-        return training, sample_dp.Batches(training.loader)
+        batches = sample_dp.Batches(training.loader)
+        counted: list[int] = []  # padded tokens of each chunk the step drew
+        draw = batches.next
+
+        def counting_next():
+            chunk = draw()
+            counted.append(int(chunk[0].numel()))
+            return chunk
+
+        batches.next = counting_next
+        return training, batches, counted
 
     sides = {"as drawn": setup(False), "length-sorted": setup(True)}
     seconds = {name: [] for name in sides}
     tokens = {name: [] for name in sides}
     for step in range(args.steps):
-        for name, (training, batches) in sides.items():
+        for name, (training, batches, counted) in sides.items():
             torch.manual_seed(step)  # the same Poisson batch for both sides
             batches.reset()
-            counted = []
-            original_next = batches.next
-
-            def counting_next(original_next=original_next, counted=counted):
-                chunk = original_next()
-                counted.append(int(chunk[0].numel()))
-                return chunk
-
-            batches.next = counting_next
+            counted.clear()
             started = time.perf_counter()
             sample_dp.train_private_steps(training, batches, steps=1, device=torch.device("cpu"))
             seconds[name].append(time.perf_counter() - started)
