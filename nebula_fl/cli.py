@@ -23,7 +23,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local-steps", type=int, help="inner steps per cluster per round")
     p.add_argument("--workers-per-cluster", help="DDP workers per cluster: one value or one per cluster, e.g. 1,2")
     p.add_argument("--device", help="cpu or cuda: one value or one per cluster, e.g. cpu,cuda")
-    p.add_argument("--outer-optimizer", choices=OUTER_OPTIMIZERS, help="server optimizer")
+    p.add_argument("--task", help="what to train: classify (default), mlm (pre-training), distill, or an installed "
+                   "plugin's name (sets task.name; --preset then adds the task's own preset)")
+    p.add_argument("--outer-optimizer", help=f"server optimizer: {', '.join(OUTER_OPTIMIZERS)} or an installed plugin's")
     p.add_argument("--partition", help="iid or dirichlet:ALPHA")
     p.add_argument("--seed", type=int, help="seed of split, partition, init and training")
     p.add_argument("--out", help="run folder (default: runs/<preset>-<time>)")

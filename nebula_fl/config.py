@@ -350,12 +350,15 @@ OUTER_OPTIMIZERS = ("fedavg", "fedavgm", "nesterov", "adam")
 
 @dataclass(kw_only=True, frozen=True)
 class OuterConfig(Section):
-    """The server's outer optimizer, applied to the example-weighted mean update of each round."""
+    """The server's outer optimizer, applied to each round's aggregated update (the example-weighted mean, unless
+    a plugin strategy aggregates otherwise)."""
 
     outer_optimizer: str = "fedavg"
-    """'fedavg', 'fedavgm' (heavy-ball momentum), 'nesterov' (DiLoCo) or 'adam' (FedAdam)."""
+    """'fedavg', 'fedavgm' (heavy-ball momentum), 'nesterov' (DiLoCo), 'adam' (FedAdam), or an installed plugin's
+    name (entry-point group ``nebula_fl.strategies``)."""
     outer_lr: float | None = None
-    """Outer learning rate; auto = fedavg 1.0, fedavgm 1.0, nesterov 0.7, adam 0.01; > 0, at most 10."""
+    """Outer learning rate; auto = fedavg 1.0, fedavgm 1.0, nesterov 0.7, adam 0.01, a plugin's default_lr; > 0,
+    at most 10."""
     outer_momentum: float | None = None
     """Momentum of fedavgm and nesterov; auto = 0.9; in [0, 1)."""
     outer_beta1: float = 0.9
@@ -366,8 +369,14 @@ class OuterConfig(Section):
     """Adam denominator floor (tau in Reddi et al. 2021); > 0, at most 1."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.outer_optimizer, str) and self.outer_optimizer in OUTER_OPTIMIZERS,
-                 "outer-optimizer", f"is {_show(self.outer_optimizer)}", f"use one of {', '.join(OUTER_OPTIMIZERS)}")
+        _text("outer-optimizer", self.outer_optimizer, max_len=MAX_NAME_BYTES,
+              fix=f"use one of {', '.join(OUTER_OPTIMIZERS)} or an installed plugin's name")
+        from nebula_fl.strategies import strategy_class
+
+        try:
+            strategy_class(self.outer_optimizer)
+        except ConfigError as err:
+            raise ConfigError(f"config key 'outer-optimizer': {err}") from None
         if self.outer_lr is not None:
             _real("outer-lr", self.outer_lr, low=0, high=10, low_open=True,
                   fix="use a rate > 0 (at most 10) or \"auto\"")
@@ -507,6 +516,22 @@ class PrivacyConfig(Section):
                      "set exactly one of them (the other stays \"auto\")")
 
 
+@dataclass(kw_only=True, frozen=True)
+class TaskConfig(Section):
+    """What the federation trains: a built-in task or one installed by entry point (``nebula_fl/tasks/``)."""
+
+    PREFIX: ClassVar[str] = "task"
+
+    name: str = "classify"
+    """'classify' (LoRA sequence classification), 'mlm' (masked-language-model pre-training from scratch, every
+    weight exchanged), 'distill' (a small student learns from a teacher in each cluster), or an installed plugin's
+    name. The task's own options are the other ``task.*`` keys."""
+
+    def __post_init__(self) -> None:
+        _text("task.name", self.name, max_len=MAX_NAME_BYTES, fix="name a task, e.g. 'classify' or 'mlm'")
+        _require(bool(self.name), "task.name", "is '' (empty)", "name a task, e.g. 'classify' or 'mlm'")
+
+
 SECAGG_CODECS = ("none", "randk")  # linear uplink chains: every cluster sends the same coordinates
 
 
@@ -568,8 +593,26 @@ class RunConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    task_options: Mapping[str, Scalar] = field(default_factory=dict)
+    """The chosen task's own ``task.*`` keys (all but ``task.name``), checked by the task's ``Options``."""
 
     def __post_init__(self) -> None:
+        from nebula_fl.tasks import task_class
+
+        try:
+            cls = task_class(self.task.name)
+        except ConfigError as err:
+            raise ConfigError(f"config key 'task.name': {err}") from None
+        known = cls.Options.flat_keys()
+        for key in self.task_options:
+            if key not in known:
+                close = difflib.get_close_matches(key, list(known), n=1)
+                hint = f"did you mean '{close[0]}'?" if close else f"task '{self.task.name}' knows {sorted(known) or 'none'}"
+                raise ConfigError(f"unknown config key {_show(key)}; {hint}")
+        cls.Options.from_flat(self.task_options)
+        _require(self.privacy.mode in cls.privacy_modes, "privacy.mode", f"is '{self.privacy.mode}' with task "
+                 f"'{self.task.name}'", f"use one of {', '.join(cls.privacy_modes)} (what that task supports)")
         if self.secagg.enabled:
             chain = self.comm.codec.split("+")
             _require(len(chain) == 1 and chain[0].split(":")[0] in SECAGG_CODECS, "comm.codec",
@@ -578,11 +621,17 @@ class RunConfig:
                      "the field encoding, secagg.bits, is the quantizer)")
             _require(not self.comm.adaptive, "comm.adaptive", "is true with secure aggregation",
                      "turn it off: every cluster of a round must send the same coordinates")
+            from nebula_fl.strategies import strategy_class
+
+            _require(not strategy_class(self.outer.outer_optimizer).needs_individual_updates, "outer-optimizer",
+                     f"is '{self.outer.outer_optimizer}' with secure aggregation",
+                     "turn secagg.enabled off or use a mean-based optimizer (it needs each cluster's update; "
+                     "secure aggregation shows the server only their sum)")
 
     @classmethod
     def sections(cls) -> dict[str, type[Section]]:
         hints = typing.get_type_hints(cls)
-        return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+        return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "task_options"}
 
     @classmethod
     def known_keys(cls) -> list[str]:
@@ -592,12 +641,14 @@ class RunConfig:
     def from_flat(cls, flat: Mapping[str, Any]) -> RunConfig:
         """Validate a flat run config (Flower's or ``--run-config``'s) and build the sections."""
         check_known_keys(flat)
-        return cls(**{name: section.from_flat(flat) for name, section in cls.sections().items()})
+        options = {k: v for k, v in flat.items() if k.startswith(TASK_OPTION) and k != "task.name"}
+        return cls(**{name: section.from_flat(flat) for name, section in cls.sections().items()}, task_options=options)
 
     def to_flat(self) -> dict[str, Scalar]:
         out: dict[str, Scalar] = {}
         for name in self.sections():
             out.update(getattr(self, name).to_flat())
+        out.update(self.task_options)
         return out
 
     def replace(self, overrides: Mapping[str, Any]) -> RunConfig:
@@ -608,10 +659,13 @@ class RunConfig:
         return RunConfig.from_flat(flat)
 
 
+TASK_OPTION = "task."  # the chosen task's own keys: checked by RunConfig against the task's Options
+
+
 def check_known_keys(flat: Mapping[str, Any]) -> None:
     known = RunConfig.known_keys()
     for key in flat:
-        if key not in known:
+        if key not in known and not (isinstance(key, str) and key.startswith(TASK_OPTION)):
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"did you mean '{close[0]}'?" if close else "see [tool.flwr.app.config] for the keys"
             raise ConfigError(f"unknown config key {_show(key)}; {hint}")

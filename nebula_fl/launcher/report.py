@@ -32,8 +32,10 @@ def round_line(line: dict[str, Any], total: int) -> str:
     rejected = f" | dropped: {', '.join(sorted(line['rejected']))}" if line.get("rejected") else ""
     if line.get("skipped"):
         rejected += " | SKIPPED: too few usable updates, the global adapter stays"
+    extra = f"perplexity {_fmt(line['perplexity'])}, " if line.get("perplexity") is not None else ""
     return (
         f"round {line['round']}/{total}: accuracy {_fmt(line.get('accuracy'))}, macro-F1 {_fmt(line.get('macro_f1'))}, "
+        f"{extra}"
         f"up {human_bytes(line.get('bytes_up'))}, down {human_bytes(line.get('bytes_down'))}, "
         f"{line.get('seconds', 0):.1f} s{f' (train loss {per})' if per else ''}{rejected}"
     )
@@ -42,14 +44,15 @@ def round_line(line: dict[str, Any], total: int) -> str:
 def results_table(rounds: Sequence[dict[str, Any]], *, initial: dict[str, Any] | None = None) -> Table:
     cluster_ids = sorted({cid for line in rounds for cid in line.get("clusters", {})})
     table = Table(title="nebula-fl: per-round results (bytes = serialized payload per cluster)")
-    for name in ("round", "accuracy", "macro-F1", "loss", "train loss"):
+    perplexity = any(line.get("perplexity") is not None for line in rounds)
+    for name in ("round", "accuracy", "macro-F1", "loss", *(["perplexity"] if perplexity else []), "train loss"):
         table.add_column(name, justify="right")
     for cid in cluster_ids:
         table.add_column(f"cluster {cid} up / down", justify="right")
     table.add_column("done at (s)", justify="right")  # run time when the round was recorded; rounds may overlap
     if initial:
         table.add_row("0", _fmt(initial.get("accuracy")), _fmt(initial.get("macro_f1")), _fmt(initial.get("loss")),
-                      "-", *["-" for _ in cluster_ids], "-")
+                      *([_fmt(initial.get("perplexity"))] if perplexity else []), "-", *["-" for _ in cluster_ids], "-")
     for line in rounds:
         cells = []
         for cid in cluster_ids:
@@ -57,7 +60,7 @@ def results_table(rounds: Sequence[dict[str, Any]], *, initial: dict[str, Any] |
             cells.append(f"{human_bytes(c['bytes_up'])} / {human_bytes(c['bytes_down'])}" if c else "-")
         table.add_row(
             str(line["round"]), _fmt(line.get("accuracy")), _fmt(line.get("macro_f1")), _fmt(line.get("loss")),
-            _fmt(line.get("train_loss")), *cells, f"{line.get('elapsed_seconds', 0):.1f}",
+            *([_fmt(line.get("perplexity"))] if perplexity else []), _fmt(line.get("train_loss")), *cells, f"{line.get('elapsed_seconds', 0):.1f}",
         )
     return table
 
@@ -68,7 +71,7 @@ def print_summary(console: Console, rounds: Sequence[dict[str, Any]], summary: d
     status = summary.get("status", "unknown")
     console.print(
         f"status: {status} | rounds {summary.get('rounds_completed', 0)}/{summary.get('num_server_rounds', '?')} | "
-        f"final accuracy {_fmt(summary.get('final_accuracy'))} | up {human_bytes(summary.get('bytes_up_total'))} | "
+        f"final {summary.get('metric', 'accuracy')} {_fmt(summary.get('final_metric', summary.get('final_accuracy')))} | up {human_bytes(summary.get('bytes_up_total'))} | "
         f"down {human_bytes(summary.get('bytes_down_total'))} | wall {summary.get('wall_seconds') or 0:.0f} s"
     )
     console.print(f"run folder: {out}")

@@ -22,8 +22,8 @@ from nebula_fl.comm.adaptive import BandwidthTracker
 from nebula_fl.config import RunConfig
 from nebula_fl.errors import NebulaError
 from nebula_fl.server.evaluation import ServerEvaluator
-from nebula_fl.server.plots import plot_accuracy_vs_bytes
-from nebula_fl.server.run_folder import PLOT, RunFolder
+from nebula_fl.server.plots import plot_metric_vs_bytes
+from nebula_fl.server.run_folder import ADAPTER, MODEL, RunFolder, plot_name
 from nebula_fl.server.tensorboard import TensorBoardLog
 from nebula_fl.server.timeline import cluster_phases, round_timeline
 from nebula_fl.server.wan_counters import WanCounters
@@ -187,6 +187,7 @@ class ServerRun:
         cfg = self.cfg
         log(INFO, "run folder: %s", self.folder.path)
         evaluator = ServerEvaluator(cfg)
+        self.metric = evaluator.task.metric
         initial = evaluator.initial_adapter()
         self.strategy = build_strategy(cfg, initial=initial)
         self.wan = WanCounters.from_config(cfg.comm.wan_control)
@@ -196,7 +197,8 @@ class ServerRun:
         wait_for_clusters(grid, minimum=cfg.federation.min_clusters, wanted=cfg.federation.wait_for_clusters,
                           timeout=cfg.federation.connect_timeout)
         train_config = ConfigRecord(
-            {**cfg.train.to_flat(), **cfg.model.to_flat(), **cfg.privacy.to_flat(), "labels": list(evaluator.labels),
+            {**cfg.train.to_flat(), **cfg.model.to_flat(), **cfg.privacy.to_flat(), **cfg.task.to_flat(),
+             **cfg.task_options, "labels": list(evaluator.labels),
              "federation-id": self.federation_id, "seed": cfg.federation.seed,
              "frozen-fingerprint": evaluator.frozen_fingerprint(), "num-server-rounds": cfg.federation.num_server_rounds}
         )
@@ -206,7 +208,7 @@ class ServerRun:
             if server_round == 0:
                 self.initial = dict(metrics)
                 self.folder.update_summary(initial_evaluation=self.initial)
-                log(INFO, "round 0 (initial adapter): accuracy %.4f", metrics["accuracy"])
+                log(INFO, "round 0 (initial model): %s %.4f", evaluator.task.metric, metrics[evaluator.task.metric])
             return metrics
 
         self.strategy.start(
@@ -224,7 +226,7 @@ class ServerRun:
         )
         final = self.folder.load_checkpoint()
         if final is not None:
-            self.folder.save_adapter(final[1])
+            self.folder.save_adapter(final[1], name=MODEL if evaluator.task.exchange == "full" else ADAPTER)
         if self.strategy.stop_reason:
             self.folder.update_summary(stopped_early=self.strategy.stop_reason)
         self._finish("completed")
@@ -281,6 +283,8 @@ class ServerRun:
             "skipped": outcome.skipped,
             **outcome.extras,
         }
+        for key, value in evals.items():  # the task's other metrics (perplexity, ...)
+            line.setdefault(key, value)
         timed = {}
         for node_id, traffic in outcome.nodes.items():
             cid = cluster_of[node_id]
@@ -306,8 +310,8 @@ class ServerRun:
             self.tensorboard.write(line)
         except Exception as err:  # curves are a view of metrics.jsonl: never a reason to fail a round
             log(WARNING, "could not write round %d to TensorBoard: %s", outcome.round, err)
-        log(INFO, "round %d: accuracy %.4f, macro-F1 %.4f, %d B up, %d B down, %.1f s", outcome.round,
-            line["accuracy"] or 0.0, line["macro_f1"] or 0.0, up, down, outcome.seconds)
+        log(INFO, "round %d: %s %.4f, loss %.4f, %d B up, %d B down, %.1f s", outcome.round, self.metric,
+            line.get(self.metric) or 0.0, line["loss"] or 0.0, up, down, outcome.seconds)
 
     @staticmethod
     def _wan_totals(previous: list[dict[str, Any]], wan: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -330,10 +334,11 @@ class ServerRun:
         cluster_rounds = [c for line in rounds for c in line["clusters"].values()]
         if rounds:
             try:
-                plot_accuracy_vs_bytes(rounds, self.folder.path / PLOT,
-                                       initial_accuracy=(self.initial or {}).get("accuracy"))
+                metric = getattr(self, "metric", "accuracy")
+                plot_metric_vs_bytes(rounds, self.folder.path / plot_name(metric), metric=metric,
+                                     initial=(self.initial or {}).get(metric))
             except Exception as err:  # a plot must never turn a finished run into a failed one
-                log(INFO, "could not draw %s: %s", PLOT, err)
+                log(INFO, "could not draw %s: %s", plot_name(metric), err)
         summary = self.folder.update_summary(
             status=status,
             error=error,
@@ -342,6 +347,9 @@ class ServerRun:
             final_accuracy=final.get("accuracy"),
             final_macro_f1=final.get("macro_f1"),
             final_loss=final.get("loss"),
+            task=self.cfg.task.name,
+            metric=getattr(self, "metric", "accuracy"),
+            final_metric=final.get(getattr(self, "metric", "accuracy")),
             best_accuracy=max((r["accuracy"] for r in rounds if r.get("accuracy") is not None), default=None),
             initial_evaluation=self.initial,
             bytes_up_total=final.get("cumulative_bytes_up", 0),

@@ -1,7 +1,8 @@
-"""Server-side evaluation of the global adapter on the held-out test split, every round.
+"""Server-side evaluation of the global model on the held-out test split, every round.
 
-The ServerApp process lives for the whole run, so the base model and the tokenised test split are
-loaded once here; each round only swaps the adapter in.
+The ServerApp process lives for the whole run, so the task's model and the tokenised test split are
+loaded once here; each round only swaps the exchanged tensors in. What is measured is the task's
+(``Task.evaluate``): accuracy and macro-F1 for classification, perplexity for masked-LM pre-training.
 """
 
 from __future__ import annotations
@@ -11,12 +12,8 @@ from flwr.app import ArrayRecord, MetricRecord
 
 from nebula_fl.config import RunConfig
 from nebula_fl.data.datasets import train_test_split
-from nebula_fl.model.adapter import adapter_arrays, load_adapter_arrays
-from nebula_fl.model.batches import TokenizedTexts
-from nebula_fl.model.evaluation import evaluate
-from nebula_fl.model.frozen_a import fingerprint
-from nebula_fl.model.loading import build_model, load_tokenizer
 from nebula_fl.model.locate import resolve_model_path
+from nebula_fl.tasks import TaskSetup, make_task
 
 
 class ServerEvaluator:
@@ -24,21 +21,23 @@ class ServerEvaluator:
         seed = cfg.federation.seed
         _, test = train_test_split(cfg.data, seed=seed)
         self.labels = test.label_names
-        path = resolve_model_path(cfg.model.model)
-        self.model = build_model(cfg.model, num_labels=len(self.labels), seed=seed, path=path,
-                                 privacy_mode=cfg.privacy.mode)
-        self.data = TokenizedTexts(load_tokenizer(path), test.texts, test.labels, max_len=cfg.model.max_seq_len)
+        self.task = make_task(cfg.task.name, cfg.task_options)
+        setup = TaskSetup(model=cfg.model, labels=list(self.labels), seed=seed, path=resolve_model_path(cfg.model.model),
+                          privacy_mode=cfg.privacy.mode)
+        self.model = self.task.build_model(setup)
+        self.data = self.task.examples(setup=setup, tokenizer=self.task.tokenizer(setup), texts=test.texts,
+                                       labels=test.labels, train=False)
         self.batch_size = cfg.federation.eval_batch_size
         self.num_test = len(test)
 
     def initial_adapter(self) -> dict[str, np.ndarray]:
-        """The seeded initial adapter (LoRA A random, B zero; head random) every cluster starts from."""
-        return adapter_arrays(self.model)
+        """The seeded initial exchanged tensors (for LoRA: A random, B zero; head random) every cluster starts from."""
+        return self.task.exchanged(self.model)
 
     def frozen_fingerprint(self) -> str:
-        """What every cluster's frozen LoRA A must hash to ('' unless `lora-mode="frozen-a"`)."""
-        return fingerprint(self.model)
+        """What every cluster's frozen, never-sent tensors must hash to ('' if none)."""
+        return self.task.fingerprint(self.model)
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        load_adapter_arrays(self.model, {k: a.numpy() for k, a in arrays.items()})
-        return MetricRecord(evaluate(self.model, self.data, batch_size=self.batch_size, num_classes=len(self.labels)))
+        self.task.load_exchanged(self.model, {k: a.numpy() for k, a in arrays.items()})
+        return MetricRecord(self.task.evaluate(self.model, self.data, batch_size=self.batch_size))

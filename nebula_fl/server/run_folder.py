@@ -40,7 +40,11 @@ CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 ADAPTER = "adapter.safetensors"
-PLOT = "accuracy_vs_bytes.png"
+MODEL = "model.safetensors"  # a task that exchanges every weight (pre-training) ends with the whole model
+
+
+def plot_name(metric: str) -> str:
+    return f"{metric}_vs_bytes.png"
 CHECKPOINTS = "checkpoint"
 LATEST = "latest"
 STATUSES = ("running", "completed", "failed", "interrupted")
@@ -244,7 +248,8 @@ class RunFolder:
         return kept, moved
 
     # -- results ---------------------------------------------------------------------------------
-    def save_adapter(self, adapter: dict[str, np.ndarray]) -> None:
-        tmp = self.path / f".{ADAPTER}.tmp"
+    def save_adapter(self, adapter: dict[str, np.ndarray], *, name: str = ADAPTER) -> None:
+        """The final global exchanged tensors: the adapter, or (`name` = MODEL) every weight of a full-exchange task."""
+        tmp = self.path / f".{name}.tmp"
         save_file({k: np.ascontiguousarray(v) for k, v in adapter.items()}, str(tmp))
-        os.replace(tmp, self.path / ADAPTER)
+        os.replace(tmp, self.path / name)

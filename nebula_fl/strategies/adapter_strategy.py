@@ -4,6 +4,10 @@ A round: sample clusters, send each the global adapter and the round's config, t
 cluster's *update* (its adapter after local training minus the global one it received), refuse any
 update that does not match the global adapter, average the rest weighted by the clusters' example
 counts, and let the outer optimizer turn that mean into the next global adapter.
+
+A strategy may replace the average (``aggregate_updates``, e.g. a robust trimmed mean); one that needs the
+updates one by one says so (``needs_individual_updates``), since secure aggregation shows the server only
+their sum. Installed packages add strategies by entry point (group ``nebula_fl.strategies``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from nebula_fl.comm.validation import check_arrays
+from nebula_fl.errors import ConfigError
 from nebula_fl.strategies.aggregation import weighted_mean
 from nebula_fl.strategies.base import NebulaStrategy
 
@@ -53,6 +58,9 @@ class AdapterStrategy(NebulaStrategy):
 
     name: ClassVar[str]
     default_lr: ClassVar[float]
+    needs_individual_updates: ClassVar[bool] = False
+    """True when ``aggregate_updates`` is more than a weighted mean: such a strategy cannot run under secure
+    aggregation, where the server only ever sees the sum of a round's updates."""
 
     def __init__(self, *, lr: float | None = None, clusters_per_round: int = 0, seed: int = 0) -> None:
         super().__init__()
@@ -68,7 +76,11 @@ class AdapterStrategy(NebulaStrategy):
     # -- outer optimizer -------------------------------------------------------------------------
     @abstractmethod
     def outer_step(self, params: Arrays, delta: Arrays) -> Arrays:
-        """The next global adapter from the current one and the weighted-mean update."""
+        """The next global adapter from the current one and the round's aggregated (by default mean) update."""
+
+    def aggregate_updates(self, updates: list[Arrays], weights: list[float]) -> Arrays:
+        """The one update a round's outer step consumes; by default the example-weighted mean."""
+        return weighted_mean(updates, weights)
 
     @abstractmethod
     def outer_state(self) -> dict[str, Any]: ...
@@ -146,12 +158,19 @@ class AdapterStrategy(NebulaStrategy):
         losses = [(c.weight, c.metrics.get("train-loss")) for c in contributions]
         loss = (float(sum(w * x for w, x in losses) / sum(weights))
                 if all(isinstance(x, int | float) for _, x in losses) else None)
-        mean = weighted_mean([c.update for c in contributions], weights)
-        return self.apply_mean(mean, weight=sum(weights), count=len(contributions), train_loss=loss)
+        mean = self.aggregate_updates([c.update for c in contributions], weights)
+        return self._outer_update(mean, weight=sum(weights), count=len(contributions), train_loss=loss)
 
     def apply_mean(self, mean: Arrays, *, weight: float, count: int,
                    train_loss: float | None = None) -> tuple[ArrayRecord | None, MetricRecord]:
-        """One outer step from the weighted mean of `count` updates (averaged here, or unmasked as a sum)."""
+        """One outer step from the weighted mean of `count` updates unmasked as a sum (secure aggregation)."""
+        if self.needs_individual_updates:
+            raise ConfigError(f"outer optimizer '{self.name}' needs each cluster's update, but secure aggregation "
+                              "shows the server only their sum; turn secagg.enabled off or use a mean-based optimizer")
+        return self._outer_update(mean, weight=weight, count=count, train_loss=train_loss)
+
+    def _outer_update(self, mean: Arrays, *, weight: float, count: int,
+                      train_loss: float | None = None) -> tuple[ArrayRecord | None, MetricRecord]:
         if count < self.min_updates or self.current is None:
             return None, MetricRecord({"clusters": count})
         check_arrays(expected={k: v.shape for k, v in self.current.items()}, arrays=mean, what="mean update")
@@ -173,3 +192,23 @@ class AdapterStrategy(NebulaStrategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return None
+
+
+def check_strategy_class(cls: object, *, name: str, where: str) -> type[AdapterStrategy]:
+    """A loaded plugin is a usable AdapterStrategy subclass registered under its own name, or a ValueError why."""
+    import inspect
+
+    if not (isinstance(cls, type) and issubclass(cls, AdapterStrategy)):
+        raise ValueError(f"{where} is {cls!r}, not a subclass of "
+                         "nebula_fl.strategies.adapter_strategy.AdapterStrategy; fix the plugin")
+    if inspect.isabstract(cls):
+        raise ValueError(f"{where} does not implement {sorted(cls.__abstractmethods__)}; fix the plugin")
+    if getattr(cls, "name", None) != name:
+        raise ValueError(f"{where} defines name = {getattr(cls, 'name', None)!r}, but is registered as '{name}'; "
+                         "make them equal")
+    lr = getattr(cls, "default_lr", None)
+    if not (isinstance(lr, int | float) and not isinstance(lr, bool) and 0 < lr <= 10):
+        raise ValueError(f"{where} has default_lr = {lr!r}; set a class default_lr in (0, 10]")
+    if not isinstance(cls.needs_individual_updates, bool):
+        raise ValueError(f"{where} has needs_individual_updates = {cls.needs_individual_updates!r}; use True or False")
+    return cls

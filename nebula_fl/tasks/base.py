@@ -1,0 +1,157 @@
+"""The Task interface: what a federation trains, so the trainer and the server's evaluator stay generic.
+
+A task owns everything that depends on the problem: the model it builds, what of it is trained and crosses
+the WAN (a PEFT adapter, or every weight), how texts become batches, the loss, and the evaluation metrics.
+Everything else (the persistent DDP trainer, snapshots and resume, codecs with error feedback, the outer
+optimizer, differential privacy, secure aggregation) is the framework's and the same for every task.
+
+A task is built from its options, the ``task.*`` keys of the run config, parsed by its ``Options``
+dataclass (a config ``Section`` with prefix ``task``), so a bad option fails on the server and on every
+cluster with the same one-line error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from nebula_fl.config import ModelConfig, Section
+
+Arrays = dict[str, np.ndarray]
+EXCHANGES = ("adapter", "full")
+
+
+class Examples(Protocol):
+    """A cluster's (or the test split's) examples, tokenised once, cut into batches on demand."""
+
+    def __len__(self) -> int: ...
+
+    def batch(self, indices: Sequence[int] | np.ndarray, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        ...
+
+
+@dataclass(kw_only=True, frozen=True)
+class NoOptions(Section):
+    """A task without options of its own."""
+
+    PREFIX: ClassVar[str] = "task"
+
+
+@dataclass(kw_only=True, frozen=True)
+class TaskSetup:
+    """What a task needs to build its model and examples; the same on the server and on every cluster."""
+
+    model: ModelConfig
+    labels: list[str]
+    """The federation's label names in the server's order (empty for tasks that use no labels)."""
+    seed: int
+    path: Path
+    """The resolved base model folder (its tokenizer is every task's tokenizer)."""
+    privacy_mode: str = "off"
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+
+
+class Task(ABC):
+    """Subclass, set ``name``, implement the four abstract methods; see ``tasks/classify.py``."""
+
+    name: ClassVar[str]
+    exchange: ClassVar[str] = "adapter"
+    """'adapter': the PEFT adapter's state (less what is frozen and shared) crosses the WAN; 'full': every
+    trainable weight does (pre-training)."""
+    metric: ClassVar[str] = "accuracy"
+    """The headline evaluation metric (a key of ``evaluate``'s result), the y-axis of the run's plot."""
+    higher_is_better: ClassVar[bool] = True
+    privacy_modes: ClassVar[tuple[str, ...]] = ("off", "client")
+    """Privacy modes the task supports; 'sample' (per-example DP-SGD) needs a model Opacus can wrap."""
+    Options: ClassVar[type[Section]] = NoOptions
+    presets: ClassVar[dict[str, dict[str, Any]]] = {}
+    """Run-config keys merged over the generic preset of the same name (``nebula-fl run --task T --preset smoke``)."""
+
+    def __init__(self, *, options: Mapping[str, Any] | None = None) -> None:
+        self.options = self.Options.from_flat(dict(options or {}))
+
+    # -- the model -----------------------------------------------------------------------------------
+    @abstractmethod
+    def build_model(self, setup: TaskSetup) -> nn.Module:
+        """The model, seeded by ``setup.seed``: the same setup gives the same initial weights everywhere."""
+
+    def tokenizer(self, setup: TaskSetup):
+        from nebula_fl.model.loading import load_tokenizer
+
+        return load_tokenizer(setup.path)
+
+    # -- data, loss, evaluation ----------------------------------------------------------------------
+    @abstractmethod
+    def examples(self, *, setup: TaskSetup, tokenizer, texts: Sequence[str], labels: np.ndarray,
+                 train: bool) -> Examples:
+        """Tokenise `texts` (labels are indices into ``setup.labels``) into batchable examples: a cluster's
+        training shard (`train`, on the cluster, where e.g. a teacher may label it) or the server's test split."""
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The mean training loss of one batch."""
+
+    @abstractmethod
+    def evaluate(self, model: nn.Module, data: Examples, *, batch_size: int) -> dict[str, float]:
+        """Metrics on held-out examples, including ``metric`` and 'loss'."""
+
+    # -- what crosses the WAN ------------------------------------------------------------------------
+    def exchanged(self, model: nn.Module) -> Arrays:
+        """Copies of the exchanged tensors as float32 arrays."""
+        if self.exchange == "adapter":
+            from nebula_fl.model.adapter import adapter_arrays
+
+            return adapter_arrays(model)
+        return {k: p.detach().cpu().float().numpy().copy() for k, p in model.named_parameters() if p.requires_grad}
+
+    def load_exchanged(self, model: nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
+        """Set the exchanged tensors to `arrays` (exact keys and shapes, checked)."""
+        if self.exchange == "adapter":
+            from nebula_fl.model.adapter import load_adapter_arrays
+
+            load_adapter_arrays(model, arrays)
+            return
+        from nebula_fl.comm.validation import check_arrays
+
+        params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+        check_arrays(expected={k: tuple(p.shape) for k, p in params.items()}, arrays=arrays, what="model")
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(torch.as_tensor(np.asarray(arrays[k]), dtype=p.dtype, device=p.device))
+
+    def fingerprint(self, model: nn.Module) -> str:
+        """A hash of what every side must share but never sends (frozen LoRA A); '' if nothing."""
+        if self.exchange != "adapter":
+            return ""
+        from nebula_fl.model.frozen_a import fingerprint
+
+        return fingerprint(model)
+
+    def describe(self) -> dict[str, Any]:
+        return {"task": self.name, "exchange": self.exchange, "metric": self.metric, **self.options.to_flat()}
+
+
+def check_task_class(cls: object, *, name: str, where: str) -> type[Task]:
+    """A loaded plugin is a usable Task subclass registered under its own name, or a ValueError saying why."""
+    import inspect
+
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ValueError(f"{where} is {cls!r}, not a subclass of nebula_fl.tasks.Task; fix the plugin")
+    if inspect.isabstract(cls):
+        raise ValueError(f"{where} does not implement {sorted(cls.__abstractmethods__)}; fix the plugin")
+    if getattr(cls, "name", None) != name:
+        raise ValueError(f"{where} defines name = {getattr(cls, 'name', None)!r}, but is registered as '{name}'; "
+                         "make them equal")
+    if cls.exchange not in EXCHANGES:
+        raise ValueError(f"{where} has exchange = {cls.exchange!r}; use one of {', '.join(EXCHANGES)}")
+    if not (isinstance(cls.Options, type) and issubclass(cls.Options, Section) and cls.Options.PREFIX == "task"):
+        raise ValueError(f"{where}'s Options must be a nebula_fl.config.Section dataclass with PREFIX = 'task'")
+    return cls
