@@ -39,15 +39,12 @@ class ClassifyTask(Task):
         return nn.functional.cross_entropy(logits, batch["labels"])
 
     def evaluate(self, model: nn.Module, data: Examples, *, batch_size: int) -> dict[str, float]:
-        num_classes = int(getattr(model, "num_labels", 0)) or _num_classes(model)
-        return evaluate(model, data, batch_size=batch_size, num_classes=num_classes)  # type: ignore[arg-type]
+        return evaluate(model, data, batch_size=batch_size, num_classes=head_width(model))  # type: ignore[arg-type]
 
 
-def _num_classes(model: nn.Module) -> int:
+def head_width(model: nn.Module) -> int:
     """The classification head's width (PEFT wraps the head in a ModulesToSaveWrapper)."""
     for name, module in model.named_modules():
-        if name.endswith("head") and hasattr(module, "out_features"):
-            return int(module.out_features)
-        if name.endswith("head.modules_to_save.default") and hasattr(module, "out_features"):
+        if name.endswith(("head", "head.modules_to_save.default")) and hasattr(module, "out_features"):
             return int(module.out_features)
     raise ValueError("the classifier has no 'head' layer")
