@@ -170,3 +170,23 @@ def flower_task_identity():
 
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
     yield
+
+
+def put_on_path(folder: Path) -> None:
+    """Make a pip --target folder importable, its packages' entry points included."""
+    import importlib
+
+    sys.path.insert(0, str(folder))
+    importlib.invalidate_caches()
+
+
+def take_off_path(folder: Path, *modules: str) -> None:
+    """Undo ``put_on_path`` and forget the named top-level modules imported from it."""
+    import importlib
+
+    while str(folder) in sys.path:
+        sys.path.remove(str(folder))
+    for name in list(sys.modules):
+        if name.split(".")[0] in modules:
+            del sys.modules[name]
+    importlib.invalidate_caches()

@@ -3,7 +3,6 @@ to end; broken and duplicate plugins give a CodecError naming them."""
 
 from __future__ import annotations
 
-import importlib
 import shutil
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 
 from nebula_fl.compression import CodecError, Compressor, Layout, available_codecs
 from nebula_fl.compression.registry import refresh_plugins
+from tests.conftest import put_on_path, take_off_path
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN = REPO / "examples" / "codec_plugin"
@@ -21,18 +21,12 @@ LAYOUT = Layout.from_shapes({"l0.lora_A": (8, 96), "l0.lora_B": (96, 8), "head.b
 
 
 def _on_path(folder: Path):
-    sys.path.insert(0, str(folder))
-    importlib.invalidate_caches()
+    put_on_path(folder)
     refresh_plugins()
 
 
 def _off_path(folder: Path, *modules: str):
-    while str(folder) in sys.path:
-        sys.path.remove(str(folder))
-    for name in list(sys.modules):
-        if name.split(".")[0] in modules:
-            del sys.modules[name]
-    importlib.invalidate_caches()
+    take_off_path(folder, *modules)
     refresh_plugins()
 
 

@@ -26,25 +26,12 @@ from nebula_fl.errors import ConfigError
 from nebula_fl.strategies import STRATEGIES, make_strategy, strategy_class, strategy_names
 from nebula_fl.strategies.adapter_strategy import to_numpy
 from nebula_fl.tasks import TASKS, TaskSetup, make_task, task_class
+from tests.conftest import put_on_path, take_off_path
 from tests.test_strategy import FakeGrid, _reply
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = {"nebula_trimmed_mean": REPO / "examples" / "strategy_plugin",
             "nebula_linear_probe": REPO / "examples" / "task_plugin"}
-
-
-def _on_path(folder: Path) -> None:
-    sys.path.insert(0, str(folder))
-    importlib.invalidate_caches()
-
-
-def _off_path(folder: Path, *modules: str) -> None:
-    while str(folder) in sys.path:
-        sys.path.remove(str(folder))
-    for name in list(sys.modules):
-        if name.split(".")[0] in modules:
-            del sys.modules[name]
-    importlib.invalidate_caches()
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +46,9 @@ def site(tmp_path_factory) -> Path:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert all((target / module).is_dir() for module in EXAMPLES)
-    _on_path(target)
+    put_on_path(target)
     yield target
-    _off_path(target, *EXAMPLES)
+    take_off_path(target, *EXAMPLES)
 
 
 # -- discovery --------------------------------------------------------------------------------------------------
@@ -216,7 +203,7 @@ def test_broken_plugins_are_refused_naming_the_plugin_and_its_package(site, tmp_
     _fake_dist(fake, "broken_tasks", "nebula_fl.tasks",
                "gone-task = no_such_module_xyz:Task\nnotatask = json:JSONDecoder\n"
                "renamed-task = nebula_linear_probe:LinearProbeTask\n")
-    _on_path(fake)
+    put_on_path(fake)
     try:
         cases = [
             ({"outer-optimizer": "gone"}, r"outer-optimizer.*strategy plugin 'gone'.*broken_strategies 0\.1.*failed "
@@ -233,7 +220,7 @@ def test_broken_plugins_are_refused_naming_the_plugin_and_its_package(site, tmp_
         assert "trimmed-mean" in strategy_names()  # the good plugins still load beside the broken ones
         assert strategy_class("trimmed-mean").__module__ == "nebula_trimmed_mean"
     finally:
-        _off_path(fake)
+        take_off_path(fake)
     assert "gone" not in strategy_names()
 
 

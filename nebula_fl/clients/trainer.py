@@ -134,9 +134,9 @@ class ClusterTrainer:
             train_cfg = TrainConfig.from_flat(config)
             self.setup(config, admission)
             self._restore_before(int(config["server-round"]), train_cfg)
-            base_lr = self.dp_lr if self.mode == "sample" else train_cfg.lr
+            self.base_lr = self.dp_lr if self.mode == "sample" else train_cfg.lr
             for group in self.optimizer.param_groups:
-                group["lr"], group["weight_decay"] = base_lr, train_cfg.weight_decay
+                group["lr"], group["weight_decay"] = self.base_lr, train_cfg.weight_decay
             global_arrays, view = self.exchange.receive(config, payload)
             self.task.load_exchanged(self.model_core, global_arrays)
         except (NebulaError, ValueError, KeyError) as err:
@@ -146,12 +146,11 @@ class ClusterTrainer:
 
     def _train(self, config: dict[str, Any], train_cfg: TrainConfig, admission: Admission) -> list[float]:
         server_round = int(config["server-round"])
-        base_lr = self.dp_lr if self.mode == "sample" else train_cfg.lr
         total_steps = max(1, int(config.get("num-server-rounds", server_round)) * train_cfg.local_steps)
         done_before = (server_round - 1) * train_cfg.local_steps
 
         def lr_at(i: int) -> float:
-            return scheduled_lr(base_lr, progress=(done_before + i) / total_steps,
+            return scheduled_lr(self.base_lr, progress=(done_before + i) / total_steps,
                                 schedule=train_cfg.lr_schedule, min_ratio=train_cfg.lr_min_ratio)
 
         if self.mode == "sample":
