@@ -1,5 +1,6 @@
 """The round loop under faults, against a scripted grid: skipped rounds, replaced SuperNodes, identify queries."""
 
+import threading
 import time
 
 import numpy as np
@@ -157,3 +158,83 @@ def test_the_server_waits_for_every_cluster_asked_then_goes_on_with_a_quorum():
     assert time.monotonic() - started < 3
     with pytest.raises(NebulaError, match="only 1 of 2 clusters connected"):
         wait_for_clusters(ScriptedGrid({1: "0"}), minimum=2, wanted=3, timeout=0.5)
+
+
+# -- a round's finish (evaluation, record, checkpoint) that fails while the next round runs -------------------------
+class GatedGrid(ScriptedGrid):
+    """Calls `on_round(n)` when the n-th train message is pushed, before the round goes on."""
+
+    def __init__(self, script, *, on_round):
+        super().__init__(script)
+        self.on_round = on_round
+
+    def push_messages(self, messages):
+        ids = super().push_messages(messages)
+        self.on_round(sum(kind == "train" for kind, _ in self.kinds()))
+        return ids
+
+    def trained(self):
+        return sum(kind == "train" for kind, _ in self.kinds())
+
+
+def _slow_failure(error):
+    """(a finish step for round 1 that fails only once round 2 runs, the grid's hook that holds round 2 until then)."""
+    round_two, raised = threading.Event(), threading.Event()
+
+    def fail_round_one(rnd, *_):
+        if rnd == 1:
+            assert round_two.wait(10), "round 2 never started"
+            raised.set()
+            raise error
+
+    def on_round(n):
+        if n == 2:
+            round_two.set()
+            assert raised.wait(10), "round 1's finish never failed"
+            time.sleep(0.3)  # the failure is kept before round 2 ends
+
+    return fail_round_one, on_round
+
+
+def test_an_overlapped_evaluation_failing_while_the_next_round_runs_ends_the_run_and_records_nothing_after_it():
+    fail_round_one, on_round = _slow_failure(RuntimeError("the evaluation of round 1 broke"))
+    grid, recorded = GatedGrid({1: "0"}, on_round=on_round), []
+    with pytest.raises(RuntimeError, match="round 1 broke"):
+        make_strategy(OuterConfig()).start(
+            grid, ArrayRecord({"w": Array(GLOBAL["w"])}), num_rounds=4, timeout=60.0, train_config=ConfigRecord({}),
+            evaluate_fn=fail_round_one, evaluate_initial=False, on_round_end=lambda o: recorded.append(o.round),
+            poll_interval=0.01, overlap_evaluation=True)
+    assert recorded == []  # round 2 finished training, but is not recorded behind the missing round 1
+    assert grid.trained() == 2  # the loop stopped at the round boundary after the failure
+
+
+def test_a_record_failing_while_the_next_round_runs_ends_the_run_and_records_nothing_after_it():
+    fail_round_one, on_round = _slow_failure(OSError(28, "No space left on device"))
+    grid, recorded = GatedGrid({1: "0"}, on_round=on_round), []
+
+    def on_round_end(outcome):
+        recorded.append(outcome.round)
+        fail_round_one(outcome.round)
+
+    with pytest.raises(OSError, match="No space left"):
+        make_strategy(OuterConfig()).start(
+            grid, ArrayRecord({"w": Array(GLOBAL["w"])}), num_rounds=4, timeout=60.0, train_config=ConfigRecord({}),
+            evaluate_fn=None, evaluate_initial=False, on_round_end=on_round_end, poll_interval=0.01)
+    assert recorded == [1] and grid.trained() == 2
+
+
+def test_a_record_failing_while_the_last_round_runs_fails_the_run_instead_of_completing_it():
+    fail_round_one, on_round = _slow_failure(OSError(28, "No space left on device"))
+    recorded = []
+
+    def on_round_end(outcome):
+        recorded.append(outcome.round)
+        fail_round_one(outcome.round)
+
+    with pytest.raises(OSError, match="No space left") as info:
+        make_strategy(OuterConfig()).start(
+            GatedGrid({1: "0"}, on_round=on_round), ArrayRecord({"w": Array(GLOBAL["w"])}), num_rounds=2,
+            timeout=60.0, train_config=ConfigRecord({}), evaluate_fn=None, evaluate_initial=False,
+            on_round_end=on_round_end, poll_interval=0.01)
+    assert recorded == [1]
+    assert "finishing round 1" in " ".join(info.value.__notes__)

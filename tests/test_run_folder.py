@@ -1,5 +1,12 @@
+import os
+import stat
+import threading
+import time
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+from flwr.app import MetricRecord
 
 from nebula_fl.server.checkpoint import join_state, split_state
 from nebula_fl.server.run_folder import RunFolder
@@ -45,3 +52,112 @@ def test_summary_refuses_unknown_status(tmp_path):
     with pytest.raises(ValueError):
         folder.update_summary(status="done-ish")
     assert folder.read_summary()["status"] == "running"
+
+
+# -- summary and config are written as checkpoints are ---------------------------------------------------------------
+def test_a_summary_or_config_write_that_dies_after_its_temp_file_leaves_the_previous_file(tmp_path, monkeypatch):
+    folder = RunFolder(tmp_path)
+    folder.write_config({"run_config": {"seed": 1}})
+    folder.update_summary(status="running", rounds_completed=1)
+    before = {name: (tmp_path / name).read_bytes() for name in ("config.json", "summary.json")}
+    temp_files = []
+
+    def crash(fd):  # the temp file is written; the crash comes before it replaces anything
+        temp_files.extend(p.name for p in tmp_path.glob(".*.tmp"))
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError, match="Input/output"):
+        folder.update_summary(status="completed", rounds_completed=2)
+    with pytest.raises(OSError, match="Input/output"):
+        folder.write_config({"run_config": {"seed": 2}})
+    monkeypatch.undo()
+    assert temp_files == [".summary.json.tmp", ".config.json.tmp"]
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    assert folder.read_summary()["status"] == "running" and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_summary_and_config_are_fsynced_with_their_folder(tmp_path, monkeypatch):
+    folder, synced = RunFolder(tmp_path), []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    folder.write_config({"run_config": {}})
+    assert synced == ["file", "folder"]
+    folder.update_summary(status="running")
+    assert synced == ["file", "folder"] * 2
+
+
+# -- a round whose record fails while the next runs: the run fails, and its resume has every round once -------------
+class _Evaluator:
+    """The ServerApp's evaluator without a model: accuracy r/10 for round r."""
+
+    labels = ("a", "b")
+
+    def __init__(self, cfg):
+        self.task = SimpleNamespace(metric="accuracy", exchange="adapter")
+
+    def initial_adapter(self):
+        return {"w": np.zeros(3, np.float32)}
+
+    def frozen_fingerprint(self):
+        return ""
+
+    def __call__(self, server_round, arrays):
+        return MetricRecord({"accuracy": server_round / 10, "loss": 1.0})
+
+
+@pytest.mark.parametrize("breaks", ["save_checkpoint", "append_round"])
+def test_a_record_failing_while_the_next_round_runs_fails_the_run_and_a_resume_records_every_round_once(
+    tmp_path, monkeypatch, breaks
+):
+    from nebula_fl.config import OuterConfig, RunConfig
+    from nebula_fl.server import app
+    from nebula_fl.strategies import make_strategy
+    from tests.test_round_faults import GatedGrid, ScriptedGrid
+
+    # Prepare: an in-process ServerApp run of 4 rounds whose record of round 2 fails once round 3 is being trained
+    monkeypatch.setattr(app, "ServerEvaluator", _Evaluator)
+    monkeypatch.setattr(app, "plot_metric_vs_bytes", lambda *args, **kwargs: None)  # not what is tested; slow
+    monkeypatch.setattr(app, "build_strategy", lambda cfg, initial=None: make_strategy(OuterConfig()))
+    flat = {"out-dir": str(tmp_path / "run"), "num-server-rounds": 4, "min-clusters": 1, "eval-overlap": True}
+    round_three, raised, broken = threading.Event(), threading.Event(), []
+    real = getattr(RunFolder, breaks)
+
+    def record(self, *args, **kwargs):
+        line_round = kwargs["round"] if breaks == "save_checkpoint" else args[0]["round"]
+        if line_round == 2 and not broken:
+            assert round_three.wait(10), "round 3 never started"
+            broken.append(line_round)
+            raised.set()
+            raise OSError(28, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    def on_round(n):
+        if n == 3:
+            round_three.set()
+            assert raised.wait(10), "round 2's record never failed"
+            time.sleep(0.3)
+
+    monkeypatch.setattr(RunFolder, breaks, record)
+    folder = RunFolder(tmp_path / "run")
+    # Execute
+    with pytest.raises(OSError, match="No space left"):
+        app.ServerRun(RunConfig.from_flat(flat)).run(GatedGrid({1: "0"}, on_round=on_round))
+    # Assert: failed with the error, and nothing recorded after the missing round
+    summary = folder.read_summary()
+    assert summary["status"] == "failed" and "OSError" in summary["error"] and "No space left" in summary["error"]
+    assert [line["round"] for line in folder.rounds()] == [1]
+    assert folder.load_checkpoint()[0] == (1 if breaks == "save_checkpoint" else 2)
+    # Execute: resume, nothing failing now
+    app.ServerRun(RunConfig.from_flat({**flat, "resume": True})).run(ScriptedGrid({1: "0"}))
+    # Assert: every round's line exactly once, in order, and the run completed
+    lines = folder.rounds()
+    assert [line["round"] for line in lines] == [1, 2, 3, 4]
+    assert [line["accuracy"] for line in lines] == [0.1, 0.2, 0.3, 0.4]
+    summary = folder.read_summary()
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 4 and summary["error"] is None

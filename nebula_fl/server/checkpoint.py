@@ -100,13 +100,18 @@ def sha256(data: bytes) -> str:
 
 
 def write_durably(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all (temp file, fsync, rename)."""
+    """Write `path` whole or not at all (temp file, fsync, rename); the caller fsyncs the folder (fsync_dir) once
+    it has renamed all it writes there. A write that fails removes its temp file and leaves `path` as it was."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def fsync_dir(path: Path) -> None:

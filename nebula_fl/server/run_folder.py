@@ -1,6 +1,8 @@
 """The run folder: config, per-round metrics, summary, checkpoints, final adapter and plot.
 
-Every file is written whole or not at all (temp file + rename). ``summary.json`` says ``running``
+Config, summary, checkpoints and the final adapter are written whole or not at all, and survive a power loss
+once written (temp file, fsync, rename, fsync of the folder: ``write_durably`` and ``fsync_dir``); metrics lines
+are appended and fsynced one by one, and a line cut short by a crash ends the usable history. ``summary.json`` says ``running``
 from the first moment and ``completed`` only after the last round's checkpoint and the final
 adapter are on disk, so a run that did not finish never claims to have. A round is complete once its
 checkpoint is; metrics lines of rounds past the last checkpoint are dropped on resume, so no round is
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
 from nebula_fl.errors import NebulaError
 from nebula_fl.server.checkpoint import (
@@ -51,9 +53,10 @@ STATUSES = ("running", "completed", "failed", "interrupted")
 
 
 def write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    """Write `obj` as `path` the way checkpoints are: a crash leaves the old file or the new one, never a torn one,
+    and the rename itself survives a power loss (summary.json's status is what says whether the run finished)."""
+    write_durably(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+    fsync_dir(path.parent)
 
 
 def read_json(path: Path) -> Any:
@@ -112,9 +115,8 @@ class RunFolder:
     def truncate_rounds(self, last_round: int) -> None:
         """Keep the metrics of rounds 1..last_round, each once (the last line written for it)."""
         by_round = {line["round"]: line for line in self.rounds() if line.get("round", 0) <= last_round}
-        tmp = self.path / f".{METRICS}.tmp"
-        tmp.write_text("".join(json.dumps(by_round[r]) + "\n" for r in sorted(by_round)))
-        os.replace(tmp, self.path / METRICS)
+        write_durably(self.path / METRICS, "".join(json.dumps(by_round[r]) + "\n" for r in sorted(by_round)).encode())
+        fsync_dir(self.path)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def checkpoint_names(self) -> list[str]:
@@ -250,6 +252,5 @@ class RunFolder:
     # -- results ---------------------------------------------------------------------------------
     def save_adapter(self, adapter: dict[str, np.ndarray], *, name: str = ADAPTER) -> None:
         """The final global exchanged tensors: the adapter, or (`name` = MODEL) every weight of a full-exchange task."""
-        tmp = self.path / f".{name}.tmp"
-        save_file({k: np.ascontiguousarray(v) for k, v in adapter.items()}, str(tmp))
-        os.replace(tmp, self.path / name)
+        write_durably(self.path / name, save({k: np.ascontiguousarray(v) for k, v in adapter.items()}))
+        fsync_dir(self.path)

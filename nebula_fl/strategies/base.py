@@ -22,9 +22,9 @@ import copy
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -313,7 +313,9 @@ class NebulaStrategy(Strategy):
         the checkpoint) runs on one background thread while the next round is sent and trained, and with
         `overlap_evaluation` the round's server-side evaluation does too: they leave the critical path.
         Rounds are recorded in order; the strategy's state is copied when the round ends, so what the
-        callback checkpoints is that round's state even while the next one changes it.
+        callback checkpoints is that round's state even while the next one changes it. A round whose finish
+        fails is never lost: no later round is recorded after it, and the loop raises its exception at the
+        next round boundary (or when it waits for the last record).
         """
         if not 1 <= first_round <= num_rounds + 1:
             raise ValueError(f"first_round must be in 1..{num_rounds + 1}, got {first_round}")
@@ -327,7 +329,11 @@ class NebulaStrategy(Strategy):
         self.message_ttl = timeout
         # one worker: rounds are recorded in order, each after the one before
         finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-finisher")
-        finishing: Future | None = None
+        failed: list[BaseException] = []  # the first finish that failed; the loop raises it, nothing is recorded after
+
+        def raise_if_failed() -> None:
+            if failed:
+                raise failed[0]
 
         def evaluate(outcome: RoundOutcome) -> None:
             if outcome.skipped is None and evaluate_fn is not None:
@@ -339,19 +345,26 @@ class NebulaStrategy(Strategy):
 
         def finish(outcome: RoundOutcome, started: float, submitted: float) -> None:
             """Evaluate the round's adapter (when overlapped; else it was), then hand the outcome to the callback.
-            A round's seconds leave out the time its finish queued behind the previous round's."""
-            queued = time.monotonic() - submitted
-            outcome.phases["finish_queued_s"] = queued
-            if overlap_evaluation:
-                evaluate(outcome)
-                outcome.seconds = time.monotonic() - started - queued
-            if on_round_end:
-                on_round_end(outcome)
+            A round's seconds leave out the time its finish queued behind the previous round's. A failure is kept
+            for the loop to raise (a future's exception is only seen if asked for), and skips every later round's
+            finish, so metrics.jsonl never holds a round after one that is missing."""
+            if failed:
+                return
+            try:
+                queued = time.monotonic() - submitted
+                outcome.phases["finish_queued_s"] = queued
+                if overlap_evaluation:
+                    evaluate(outcome)
+                    outcome.seconds = time.monotonic() - started - queued
+                if on_round_end:
+                    on_round_end(outcome)
+            except BaseException as err:
+                err.add_note(f"raised while finishing round {outcome.round} (its evaluation, record or checkpoint)")
+                failed.append(err)
 
         try:
             for rnd in range(first_round, num_rounds + 1):
-                if finishing is not None and finishing.done():
-                    finishing.result()  # a failed evaluation or record ends the run here, not rounds later
+                raise_if_failed()  # a round whose record failed ends the run here, before another is trained
                 started = time.monotonic()
                 log(INFO, "[ROUND %d/%d]", rnd, num_rounds)
                 self.rejected = {}
@@ -405,9 +418,12 @@ class NebulaStrategy(Strategy):
                 if not overlap_evaluation:
                     evaluate(outcome)
                     outcome.seconds = time.monotonic() - started
-                finishing = finisher.submit(finish, outcome, started, time.monotonic())
-            if finishing is not None:
-                finishing.result()
-        finally:
+                finisher.submit(finish, outcome, started, time.monotonic())
+            finisher.shutdown(wait=True)  # the last rounds' records
+            raise_if_failed()
+        except BaseException as err:
             finisher.shutdown(wait=True, cancel_futures=True)  # an interrupted run still records the round it was at
+            if failed and failed[0] is not err:  # the run fails for `err`; the lost record is said, not dropped
+                log(ERROR, "the run also failed to finish a round: %s: %s", type(failed[0]).__name__, failed[0])
+            raise
         return result
