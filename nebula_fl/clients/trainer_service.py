@@ -41,6 +41,7 @@ from nebula_fl.privacy.policy import POLICY_FILE, PrivacyPolicy
 CONTROL_TIMEOUT = timedelta(days=30)  # ranks >= 1 idle in a broadcast between rounds; rounds can be far apart
 MAX_FRAME = 1 << 31
 LOCK_FILE = "trainer.lock"
+LOCK_WAIT_S = 30.0  # how long a trainer waits for the one before it on its state folder to stop
 # Metrics computed from the private data and not covered by the DP guarantee: never sent under DP.
 DATA_DEPENDENT = ("train-loss", "update-norm-before-clip", "clipped", "rank-divergence")
 
@@ -266,22 +267,36 @@ class Boundary:
         return self.secagg.mask(plan, values=values, weight=weight)
 
 
-def _lock_state_dir(state_dir: Path) -> int:
-    """Hold the state folder for this trainer's life: two trainers on one ledger would corrupt it."""
+def _lock_state_dir(state_dir: Path, *, wait_s: float = LOCK_WAIT_S, poll_s: float = 0.2) -> int:
+    """Hold the state folder for this trainer's life: two trainers on one ledger would corrupt it.
+
+    A trainer that holds it may be the previous run's, still shutting down (a `--resume` right after a stop):
+    it is waited for up to `wait_s`, with one line saying so; one still holding it then is another trainer.
+    """
     state_dir.mkdir(parents=True, exist_ok=True)
     path = state_dir / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise NebulaError(
-            f"state folder '{state_dir}' is in use by another trainer (pid {holder}); stop it, or give this one "
-            "its own --state-dir"
-        ) from None
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise NebulaError(
+                    f"state folder '{state_dir}' is in use by another trainer (pid {holder}); stop it, or give this "
+                    "one its own --state-dir"
+                ) from None
+            if not said:
+                print(f"state folder '{state_dir}' is held by trainer pid {holder}; waiting up to {wait_s:.0f} s "
+                      "for it to stop", flush=True)
+                said = True
+            time.sleep(poll_s)
     os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
 
 
