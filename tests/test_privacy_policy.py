@@ -1,18 +1,23 @@
 """The cluster's own policy: a request may ask for more privacy, never less; the σ floors are Opacus's."""
 
+import json
 import math
+import re
+from functools import cache
 
 import pytest
 from opacus.accountants.utils import get_noise_multiplier
 
+from nebula_fl.cli import _privacy_policy, parser
 from nebula_fl.config import PrivacyConfig
 from nebula_fl.errors import ConfigError
-from nebula_fl.privacy.policy import PrivacyPolicy, PrivacyRequest, admit, policy_for_run
+from nebula_fl.privacy.policy import DEFAULT_MAX_EPSILON, PrivacyPolicy, PrivacyRequest, admit, policy_for_run
 
 N = 4000
 Q, STEPS, PLANNED = 1 / 63, 20, 100
 
 
+@cache
 def derive(target, delta, rate, steps):
     """The independent reference: Opacus's own search for the σ that spends `target` (RDP: fast and exact)."""
     return get_noise_multiplier(target_epsilon=target, target_delta=delta, sample_rate=rate, steps=steps,
@@ -48,8 +53,11 @@ def test_a_weaker_request_is_refused_and_says_why(asked, fragment):
     assert fragment in verdict.reason
 
 
+PLAN = {"planned_rounds": 5, "planned_local_steps": 20, "planned_batch_size": 64}  # q = 1/⌈4000/64⌉ = Q, 100 steps
+
+
 def test_a_target_epsilon_floor_is_the_sigma_opacus_finds_for_the_planned_steps():
-    policy = PrivacyPolicy(mode="sample", target_epsilon=4.0, delta=1e-5, accountant="rdp")
+    policy = PrivacyPolicy(mode="sample", target_epsilon=4.0, delta=1e-5, accountant="rdp", **PLAN)
     floor = derive(4.0, 1e-5, Q, PLANNED)
     assert decide(policy, noise_multiplier=floor).allowed
     assert not decide(policy, noise_multiplier=floor * 0.99).allowed
@@ -101,8 +109,9 @@ def test_bad_policies_are_refused_in_one_sentence(fields, fragment):
 
 
 def test_a_policy_file_round_trips_and_the_launchers_policy_is_the_run_request(tmp_path):
-    asked = PrivacyConfig(mode="sample", target_epsilon=8.0, max_epsilon=8.0, accountant="rdp")
-    policy = policy_for_run(asked)
+    asked = PrivacyConfig(mode="sample", target_epsilon=8.0, max_epsilon=8.0, accountant="rdp", batch_size=64)
+    policy = policy_for_run(asked, rounds=5, local_steps=20)
+    assert (policy.planned_rounds, policy.planned_local_steps, policy.planned_batch_size) == (5, 20, 64)
     policy.save(tmp_path / "p.json")
     assert PrivacyPolicy.load(tmp_path / "p.json") == policy
     request = PrivacyRequest(mode="sample", target_epsilon=8.0, max_epsilon=8.0)
@@ -111,3 +120,113 @@ def test_a_policy_file_round_trips_and_the_launchers_policy_is_the_run_request(t
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         PrivacyPolicy.load(tmp_path / "bad.json")
+
+
+def test_the_floor_is_the_operators_plan_whatever_the_request_says_its_plan_is():
+    policy = PrivacyPolicy(mode="sample", target_epsilon=4.0, delta=1e-5, accountant="rdp", **PLAN)
+    floor = derive(4.0, 1e-5, Q, PLANNED)
+    for rate, planned in ((Q, PLANNED), (Q, 1), (1 / 400, PLANNED), (0.5, 10_000)):
+        kw = dict(num_examples=N, sample_rate=rate, steps=STEPS, planned_steps=planned, derive_sigma=derive)
+        assert admit(policy, PrivacyRequest(mode="sample", noise_multiplier=floor), **kw).allowed
+        low = admit(policy, PrivacyRequest(mode="sample", noise_multiplier=floor * (1 - 1e-6)), **kw)
+        assert not low.allowed and f"floor σ ≥ {floor:.4g}" in low.reason
+    # without the batch, the plan's q is the DP recipe's: an eighth of the examples
+    recipe = PrivacyPolicy(mode="sample", target_epsilon=4.0, delta=1e-5, accountant="rdp", planned_rounds=5,
+                           planned_local_steps=20)
+    assert recipe.planned_releases(N) == (1 / 8, 100)
+    client = PrivacyPolicy(mode="client", target_epsilon=4.0, planned_rounds=30)
+    assert client.planned_releases(N) == (1.0, 30)  # one release a round, no sampling amplification
+
+
+def test_a_dp_policy_without_a_budget_gets_the_default_one():
+    floor_only = PrivacyPolicy(mode="sample", min_noise_multiplier=1.0)
+    assert floor_only.budget == DEFAULT_MAX_EPSILON == 10 and floor_only.budget_is_default
+    assert PrivacyPolicy(mode="client", min_noise_multiplier=1.0).budget == 10
+    assert PrivacyPolicy().budget is None and not PrivacyPolicy().budget_is_default  # off: no requirement
+    target = PrivacyPolicy(mode="sample", target_epsilon=4.0, **PLAN)
+    assert target.budget == 4.0 and not target.budget_is_default
+    over = decide(floor_only, noise_multiplier=1.0, max_epsilon=12.0)
+    assert not over.allowed and "ε ≤ 10" in over.reason
+    assert decide(floor_only, noise_multiplier=1.0).budget == 10
+
+
+@pytest.mark.parametrize("fields, fragment, fix", [
+    ({"mode": "sample", "target_epsilon": 8}, "not planned_rounds and planned_local_steps", "min_noise_multiplier"),
+    ({"mode": "sample", "target_epsilon": 8, "planned_rounds": 5}, "not planned_local_steps:", "min_noise_multiplier"),
+    ({"mode": "client", "target_epsilon": 8}, "not planned_rounds:", "min_noise_multiplier instead"),
+    ({"mode": "sample", "min_noise_multiplier": 1, "secagg_peers": "/nonexistent/peers.json"}, "not a file", "roster"),
+])
+def test_the_trainer_refuses_to_start_without_a_plan_or_a_roster(fields, fragment, fix):
+    policy = PrivacyPolicy.from_dict(fields)  # a file of an older version still loads
+    with pytest.raises(ConfigError, match=fragment) as err:
+        policy.check_for(N)
+    assert "\n" not in str(err.value) and fix in str(err.value)
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"mode": "sample", "target_epsilon": 8, "planned_rounds": 0}, "'planned_rounds' is 0"),
+    ({"mode": "sample", "target_epsilon": 8, "planned_rounds": True}, "'planned_rounds' is True"),
+    ({"mode": "sample", "target_epsilon": 8, "planned_local_steps": 2.5}, "'planned_local_steps' is 2.5"),
+    ({"mode": "client", "target_epsilon": 8, "planned_rounds": 5, "planned_local_steps": 10}, "for mode 'sample' only"),
+    ({"min_secagg_threshold": 3}, "without 'require_secure_aggregation'"),
+    ({"min_secagg_clusters": 3, "secagg_peers": "p.json"}, "without 'require_secure_aggregation'"),
+    ({"require_secure_aggregation": True}, "server could count clusters of its own"),
+    ({"require_secure_aggregation": "yes", "secagg_peers": "p.json"}, "use true or false"),
+    ({"require_secure_aggregation": True, "secagg_peers": "p.json", "min_secagg_threshold": 1}, "from 2"),
+    ({"require_secure_aggregation": True, "secagg_peers": "p.json", "min_secagg_threshold": 4,
+      "min_secagg_clusters": 3}, "below the threshold 4; use at least 4"),
+    ({"require_secure_aggregation": True, "secagg_peers": ""}, "'secagg_peers' is ''"),
+])
+def test_bad_plans_and_secure_aggregation_requirements_are_refused_in_one_sentence(fields, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)) as err:
+        PrivacyPolicy.from_dict(fields)
+    assert "\n" not in str(err.value)
+
+
+def test_the_secure_aggregation_requirement_defaults_and_round_trips(tmp_path):
+    peers = str(tmp_path / "peers.json")
+    required = PrivacyPolicy(require_secure_aggregation=True, secagg_peers=peers)
+    assert (required.secagg_threshold, required.secagg_clusters) == (2, 2)
+    three = PrivacyPolicy(require_secure_aggregation=True, secagg_peers=peers, min_secagg_threshold=3)
+    assert (three.secagg_threshold, three.secagg_clusters) == (3, 3)
+    roster_only = PrivacyPolicy(secagg_peers=peers)  # the roster alone, without the requirement
+    assert (roster_only.secagg_threshold, roster_only.secagg_clusters) == (None, None)
+    full = PrivacyPolicy(mode="sample", target_epsilon=6.0, max_epsilon=8.0, accountant="rdp", **PLAN,
+                         require_secure_aggregation=True, secagg_peers=peers, min_secagg_threshold=3,
+                         min_secagg_clusters=5)
+    for policy in (required, three, roster_only, full):
+        assert PrivacyPolicy.from_dict(policy.to_dict()) == policy
+        policy.save(tmp_path / "p.json")
+        assert PrivacyPolicy.load(tmp_path / "p.json") == policy
+    (tmp_path / "old.json").write_text('{"mode": "sample", "min_noise_multiplier": 1.1, "max_epsilon": 8}')
+    old = PrivacyPolicy.load(tmp_path / "old.json")
+    assert not old.require_secure_aggregation and old.secagg_peers is None and old.planned_rounds is None
+    assert set(old.to_dict()) == {"mode", "min_noise_multiplier", "max_epsilon", "accountant",
+                                  "require_secure_aggregation"}
+
+
+def test_trainer_flags_set_every_new_field_and_override_the_file(tmp_path, monkeypatch):
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "ops" / "policy.json").write_text(json.dumps(
+        {"mode": "sample", "target_epsilon": 8, "planned_rounds": 5, "planned_local_steps": 20,
+         "secagg_peers": "roster.json"}))
+    base = ["trainer", "--socket", "s", "--privacy-policy", str(tmp_path / "ops" / "policy.json")]
+    from_file = _privacy_policy(parser().parse_args(base))
+    assert from_file.secagg_peers == str(tmp_path / "ops" / "roster.json")  # beside the file it was named in
+    monkeypatch.chdir(tmp_path)
+    flags = ["--planned-rounds", "50", "--planned-local-steps", "10", "--planned-batch-size", "256",
+             "--require-secure-aggregation", "--min-secagg-threshold", "3", "--min-secagg-clusters", "4",
+             "--secagg-peers", "mine.json"]
+    policy = _privacy_policy(parser().parse_args(base + flags))
+    assert (policy.planned_rounds, policy.planned_local_steps, policy.planned_batch_size) == (50, 10, 256)
+    assert policy.require_secure_aggregation and (policy.secagg_threshold, policy.secagg_clusters) == (3, 4)
+    assert policy.secagg_peers == str(tmp_path / "mine.json") and policy.target_epsilon == 8
+
+
+def test_the_launchers_policy_plans_the_run_it_writes_for():
+    client = policy_for_run(PrivacyConfig(mode="client", target_epsilon=8.0), rounds=7, local_steps=20)
+    assert (client.planned_rounds, client.planned_local_steps, client.planned_batch_size) == (7, None, None)
+    auto = policy_for_run(PrivacyConfig(mode="sample", target_epsilon=8.0), rounds=7, local_steps=20)
+    assert (auto.planned_rounds, auto.planned_local_steps, auto.planned_batch_size) == (7, 20, None)  # recipe's batch
+    floor = policy_for_run(PrivacyConfig(mode="sample", noise_multiplier=1.0), rounds=7, local_steps=20)
+    assert floor.planned_rounds is None and floor.budget_is_default

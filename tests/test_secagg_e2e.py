@@ -42,7 +42,9 @@ def test_secure_aggregation_learns_what_the_plain_run_learns(tiny_model, run_cli
 
 def test_secure_aggregation_with_client_level_dp_splits_the_noise_into_threshold_shares(tiny_model, run_cli, tmp_path):
     out = tmp_path / "dp"
-    dp = 'privacy.mode="client" privacy.noise-multiplier=0.5 privacy.max-grad-norm=0.5'
+    # σ 0.5 at q = 1 spends ε ≈ 10 a release (20.1 after three, PRV): past the default lifetime budget (ε ≤ 10) that
+    # a policy without max_epsilon gets, so the run gives its clusters a budget of their own
+    dp = 'privacy.mode="client" privacy.noise-multiplier=0.5 privacy.max-grad-norm=0.5 privacy.max-epsilon=25'
     args = list(smoke_args(tiny_model, out, *ARGS, "--secure-aggregation"))
     args[args.index("--run-config") + 1] += " " + dp
     cli = run_cli(*args, name="secure-dp")

@@ -150,6 +150,8 @@ def test_a_stalled_client_holds_nothing_and_a_live_trainer_is_never_taken_over(t
     (("--privacy-mode", "sample", "--min-noise-multiplier", "0"), "min_noise_multiplier"),
     (("--privacy-mode", "sample", "--min-noise-multiplier", "1", "--delta", "0.5"), "not below 1/n"),
     (("--privacy-mode", "sample"), "exactly one of"),
+    (("--privacy-mode", "sample", "--target-epsilon", "8"), "set planned_rounds and planned_local_steps"),
+    (("--require-secure-aggregation",), "secagg_peers"),
 ])
 def test_a_policy_that_protects_nothing_stops_the_trainer_at_start(tmp_path, tiny_model, flags, fragment):
     proc = subprocess.run(trainer_cmd(tmp_path, tiny_model, *flags), capture_output=True, text=True, timeout=120)

@@ -8,7 +8,6 @@ Nothing in here takes the server's word for what the policy is.
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 from typing import Any
 
@@ -17,18 +16,13 @@ from nebula_fl.errors import ConfigError
 from nebula_fl.privacy.budget import noise_for_target, verdict
 from nebula_fl.privacy.cluster_ledger import ClusterLedger
 from nebula_fl.privacy.dp_recipe import logical_batch
-from nebula_fl.privacy.policy import Admission, PrivacyPolicy, PrivacyRequest, admit, refuse
+from nebula_fl.privacy.policy import Admission, PrivacyPolicy, PrivacyRequest, admit, refuse, sample_rate_for
 
 
 @lru_cache(maxsize=64)
 def _sigma_for(target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
     return noise_for_target(target_epsilon=target_epsilon, delta=delta, sample_rate=sample_rate, steps=steps,
                             accountant=accountant)
-
-
-def sample_rate_for(num_examples: int, *, logical_batch: int) -> float:
-    """q of the cluster's Poisson-sampled DP-SGD: its expected logical batch over its examples (as Opacus sets it)."""
-    return 1.0 / math.ceil(num_examples / logical_batch)
 
 
 class PrivacyGate:

@@ -337,7 +337,8 @@ def run_trainer(opts: TrainerOptions) -> int:
     for p in procs:
         p.start()
     policy = opts.policy
-    budget = "" if policy.budget is None else f", lifetime budget ε ≤ {policy.budget:g}"
+    budget = "" if policy.budget is None else f"; lifetime budget ε ≤ {policy.budget:g}" + (
+        " (default: the policy sets no max_epsilon)" if policy.budget_is_default else "")
     spent = {m: ledger.steps(mode=m) for m in ("sample", "client")}
     print(
         f"trainer {opts.cluster_id}: {opts.workers} worker(s) on {opts.device}, {len(opts.shard)} examples, "

@@ -248,7 +248,8 @@ class Federation:
 
         path = self.folder.path / "clusters" / str(cluster) / "privacy-policy.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        policy_for_run(self.plan.config.privacy).save(path)
+        cfg = self.plan.config
+        policy_for_run(cfg.privacy, rounds=cfg.federation.num_server_rounds, local_steps=cfg.train.local_steps).save(path)
         return path
 
     def _start_wan(self, socket_dir: Path, port: int, env: dict[str, str]) -> list[int]:

@@ -7,9 +7,11 @@ comes over the network. A round's request may ask for more privacy than the poli
 - mode: a policy of ``sample`` or ``client`` admits only a request of the same mode (a request of
   ``off`` or of the other mode is refused); a policy of ``off`` admits any request;
 - noise: the request's noise multiplier (given, or derived from its target ε) must be at least the
-  policy's floor (given, or derived from the policy's target ε over the same planned steps);
+  policy's floor (given, or derived from the policy's target ε over the *operator's* planned releases
+  at the operator's planned sample rate: nothing the server says about its plan moves the floor);
 - δ and budget: an explicit request δ above the policy's, or a budget (max ε) above the policy's, is
-  refused; otherwise the tighter of the two applies;
+  refused; otherwise the tighter of the two applies. A DP policy always has a lifetime budget: its
+  ``max_epsilon``, else its ``target_epsilon``, else ``DEFAULT_MAX_EPSILON``;
 - clipping norm: the policy's when it sets one (ε does not depend on it; it is the operator's call).
 
 In ``client`` mode what leaves the cluster each round is one Gaussian release of the clipped update
@@ -27,12 +29,18 @@ from pathlib import Path
 from typing import Any
 
 from nebula_fl.errors import ConfigError
+from nebula_fl.privacy.dp_recipe import DP_BATCH_FRACTION
 
 POLICY_FILE = "privacy-policy.json"  # the policy in force, copied into the trainer's state folder at start
 MODES = ("off", "sample", "client")
 ACCOUNTANTS = ("prv", "rdp")
 DEFAULT_DELTA = 1e-5
 MAX_NOISE_MULTIPLIER = 1e6
+# A DP policy without max_epsilon still gets a lifetime budget, or the server could ask for unlimited rounds at
+# q = 1: ε = 10 is the upper end of what the DP-ML literature calls reasonable (Ponomareva et al. 2023, "How to
+# DP-fy ML": ε ≤ 1 strong, ε ≤ 10 reasonable, above that weak).
+DEFAULT_MAX_EPSILON = 10.0
+PLAN_LIMITS = {"planned_rounds": 100_000, "planned_local_steps": 1_000_000, "planned_batch_size": 1_000_000}
 
 
 def _finite_positive(name: str, value: float | None) -> None:
@@ -40,6 +48,18 @@ def _finite_positive(name: str, value: float | None) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"privacy policy '{name}' is {value!r}; use a finite number > 0")
+
+
+def _int_in(name: str, value: int | None, *, low: int, high: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"privacy policy '{name}' is {value!r}; use a whole number from {low} to {high}")
+
+
+def sample_rate_for(num_examples: int, *, logical_batch: int) -> float:
+    """q of the cluster's Poisson-sampled DP-SGD: its expected logical batch over its examples (as Opacus sets it)."""
+    return 1.0 / math.ceil(num_examples / logical_batch)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -51,15 +71,35 @@ class PrivacyPolicy:
     min_noise_multiplier: float | None = None
     """The lowest noise multiplier σ this cluster trains with; or set `target_epsilon` instead."""
     target_epsilon: float | None = None
-    """The ε the planned run should end at: the σ floor is derived from it over the run's planned steps."""
+    """The ε the operator's plan should end at: the σ floor is the σ that spends it over the `planned_*` releases
+    at the planned sample rate (the server's own rounds, steps and batch do not move it); needs the plan."""
+    planned_rounds: int | None = None
+    """With `target_epsilon`: the rounds this cluster plans to release (its plan, not the server's
+    num-server-rounds); 1 to 100,000. 'client' mode: one release per round, at q = 1."""
+    planned_local_steps: int | None = None
+    """With `target_epsilon`, 'sample' mode: DP-SGD steps per planned round; 1 to 1,000,000."""
+    planned_batch_size: int | None = None
+    """With `target_epsilon`, 'sample' mode: the planned expected logical batch of a DP-SGD step (q = 1/⌈n/batch⌉
+    for this cluster's n examples); None: the DP recipe's default, an eighth of the examples."""
     max_epsilon: float | None = None
-    """Lifetime budget of this cluster's data (all federations together); defaults to `target_epsilon`."""
+    """Lifetime budget of this cluster's data (all federations together); default `target_epsilon`, else (DP
+    modes) ε ≤ 10 (`DEFAULT_MAX_EPSILON`)."""
     delta: float | None = None
     """δ; default min(1e-5, 1/(10 n)) for n examples ('sample'), 1e-5 for the whole data set ('client')."""
     max_grad_norm: float | None = None
     """Clipping norm (per example or per update); None takes the round's."""
     accountant: str = "prv"
     """'prv' or 'rdp': how this cluster composes its own releases."""
+    require_secure_aggregation: bool = False
+    """Train only rounds whose uploads are securely aggregated (enforced by the secure-aggregation stage)."""
+    min_secagg_threshold: int | None = None
+    """With the requirement: the fewest clusters whose sum the server may unmask; ≥ 2, default 2."""
+    min_secagg_clusters: int | None = None
+    """With the requirement: the fewest clusters masked together in a round; ≥ 2 and ≥ the threshold, default
+    the threshold."""
+    secagg_peers: str | None = None
+    """Path of the federation's roster: the other clusters' secure-aggregation identity public keys, exchanged
+    by the operators out of band (the server could otherwise count clusters of its own)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -78,10 +118,80 @@ class PrivacyPolicy:
                 f"privacy policy of mode '{self.mode}' needs exactly one of min_noise_multiplier (σ > 0) and "
                 "target_epsilon; set one of them"
             )
+        for name, high in PLAN_LIMITS.items():
+            _int_in(name, getattr(self, name), low=1, high=high)
+        for name in ("planned_local_steps", "planned_batch_size"):
+            if self.mode == "client" and getattr(self, name) is not None:
+                raise ConfigError(f"privacy policy '{name}' is for mode 'sample' only (a 'client' policy plans one "
+                                  f"release per round); drop it")
+        self._check_secagg()
+
+    def _check_secagg(self) -> None:
+        if not isinstance(self.require_secure_aggregation, bool):
+            raise ConfigError(f"privacy policy 'require_secure_aggregation' is {self.require_secure_aggregation!r}; "
+                              "use true or false")
+        if self.secagg_peers is not None and (not isinstance(self.secagg_peers, str) or not self.secagg_peers.strip()):
+            raise ConfigError(f"privacy policy 'secagg_peers' is {self.secagg_peers!r}; use the path of the "
+                              "federation's roster of secure-aggregation identity keys")
+        _int_in("min_secagg_threshold", self.min_secagg_threshold, low=2, high=1_000_000)
+        _int_in("min_secagg_clusters", self.min_secagg_clusters, low=2, high=1_000_000)
+        if not self.require_secure_aggregation:
+            for name in ("min_secagg_threshold", "min_secagg_clusters"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"privacy policy sets '{name}' without 'require_secure_aggregation'; set "
+                                      f"require_secure_aggregation to true, or drop {name}")
+            return
+        if self.secagg_peers is None:
+            raise ConfigError("privacy policy requires secure aggregation but sets no 'secagg_peers'; give the roster "
+                              "of the other clusters' identity keys (without them the server could count clusters "
+                              "of its own)")
+        if self.min_secagg_clusters is not None and self.min_secagg_clusters < self.secagg_threshold:
+            raise ConfigError(f"privacy policy 'min_secagg_clusters' is {self.min_secagg_clusters}, below the "
+                              f"threshold {self.secagg_threshold}; use at least {self.secagg_threshold}")
 
     @property
     def budget(self) -> float | None:
-        return self.max_epsilon if self.max_epsilon is not None else self.target_epsilon
+        """The lifetime ε: `max_epsilon`, else `target_epsilon`, else (DP modes) the default; None only when off."""
+        if self.max_epsilon is not None:
+            return self.max_epsilon
+        if self.target_epsilon is not None:
+            return self.target_epsilon
+        return DEFAULT_MAX_EPSILON if self.mode != "off" else None
+
+    @property
+    def budget_is_default(self) -> bool:
+        """The policy sets neither max_epsilon nor target_epsilon: `DEFAULT_MAX_EPSILON` is in force."""
+        return self.mode != "off" and self.max_epsilon is None and self.target_epsilon is None
+
+    @property
+    def secagg_threshold(self) -> int | None:
+        """The fewest clusters whose sum the server may unmask (None: secure aggregation not required)."""
+        if not self.require_secure_aggregation:
+            return None
+        return self.min_secagg_threshold if self.min_secagg_threshold is not None else 2
+
+    @property
+    def secagg_clusters(self) -> int | None:
+        """The fewest clusters masked together in a round (None: secure aggregation not required)."""
+        if not self.require_secure_aggregation:
+            return None
+        return self.min_secagg_clusters if self.min_secagg_clusters is not None else self.secagg_threshold
+
+    def _missing_plan(self) -> list[str]:
+        names = ["planned_rounds"] + (["planned_local_steps"] if self.mode == "sample" else [])
+        return [name for name in names if getattr(self, name) is None]
+
+    def planned_releases(self, num_examples: int) -> tuple[float, int]:
+        """(q, releases) of the operator's plan, over which `target_epsilon` sets the σ floor."""
+        missing = self._missing_plan()
+        if missing:
+            raise ConfigError(f"privacy policy sets target_epsilon but not {' and '.join(missing)}: the σ floor is "
+                              f"derived from the operator's plan; set {' and '.join(missing)}, or give "
+                              "min_noise_multiplier instead")
+        if self.mode == "client":
+            return 1.0, int(self.planned_rounds)
+        batch = self.planned_batch_size or math.ceil(num_examples / DP_BATCH_FRACTION)
+        return sample_rate_for(num_examples, logical_batch=batch), int(self.planned_rounds * self.planned_local_steps)
 
     def resolved_delta(self, num_examples: int) -> float:
         """δ in force: the operator's, or the default; never as large as 1/n for per-example DP."""
@@ -92,7 +202,13 @@ class PrivacyPolicy:
         return DEFAULT_DELTA
 
     def check_for(self, num_examples: int) -> None:
-        """Refuse a δ that could expose a whole record outright: δ must stay below 1/n ('sample')."""
+        """What the trainer refuses to start with: a δ that could expose a whole record outright (δ must stay
+        below 1/n, 'sample'), a target ε with no plan to spend it over, a roster of peers it cannot read."""
+        if self.mode != "off" and self.target_epsilon is not None:
+            self.planned_releases(num_examples)
+        if self.secagg_peers is not None and not Path(self.secagg_peers).expanduser().is_file():
+            raise ConfigError(f"privacy policy 'secagg_peers' is '{self.secagg_peers}', which is not a file; give the "
+                              "path of the federation's roster of identity keys")
         if self.mode == "sample" and self.delta is not None and self.delta >= 1.0 / max(1, num_examples):
             raise ConfigError(
                 f"privacy policy δ = {self.delta:g} is not below 1/n = {1.0 / num_examples:g} for this cluster's "
@@ -131,17 +247,23 @@ class PrivacyPolicy:
         tmp.replace(path)
 
 
-def policy_for_run(asked: Any) -> PrivacyPolicy:
+def policy_for_run(asked: Any, *, rounds: int, local_steps: int) -> PrivacyPolicy:
     """The policy a cluster operator who wants exactly what a run config asks would write (the launcher's).
 
     `asked` is a ``PrivacyConfig``: its mode, noise multiplier (as the floor) or target ε, budget, δ,
-    clipping norm and accountant become the policy; nothing weaker can then be asked of the cluster.
+    clipping norm and accountant become the policy; with a target ε the run's `rounds`, `local_steps` and
+    logical batch (``privacy.batch-size``, or the recipe's default) become the plan the floor is derived over.
     """
     if asked.mode == "off":
         return PrivacyPolicy(accountant=asked.accountant)
+    plan: dict[str, Any] = {}
+    if asked.target_epsilon is not None:
+        plan["planned_rounds"] = rounds
+        if asked.mode == "sample":
+            plan.update(planned_local_steps=local_steps, planned_batch_size=asked.batch_size)
     return PrivacyPolicy(mode=asked.mode, min_noise_multiplier=asked.noise_multiplier,
                          target_epsilon=asked.target_epsilon, max_epsilon=asked.max_epsilon, delta=asked.delta,
-                         max_grad_norm=asked.max_grad_norm, accountant=asked.accountant)
+                         max_grad_norm=asked.max_grad_norm, accountant=asked.accountant, **plan)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -189,8 +311,9 @@ def admit(
     """Decide whether this cluster runs the requested round, and with which mechanism.
 
     `sample_rate` and `steps` describe one round of per-example DP-SGD (q = expected batch / n);
-    `planned_steps` is the run's planned number of such steps (rounds × local steps), or of rounds
-    in client mode; `derive_sigma(target_epsilon, delta, sample_rate, steps)` is the σ that spends a
+    `planned_steps` is the request's planned number of such steps (rounds × local steps), or of rounds
+    in client mode, over which a request's own target ε is read; the policy's floor uses the policy's
+    plan only. `derive_sigma(target_epsilon, delta, sample_rate, steps)` is the σ that spends a
     target ε (``privacy.budget.noise_for_target`` with the policy's accountant).
     """
     delta = policy.resolved_delta(num_examples)
@@ -225,8 +348,8 @@ def admit(
         asked = derive_sigma(request.target_epsilon, request.delta if request.delta is not None else delta, q,
                              planned_steps)
     floor = policy.min_noise_multiplier
-    if floor is None and policy.target_epsilon is not None:
-        floor = derive_sigma(policy.target_epsilon, delta, q, planned_steps)
+    if floor is None and policy.target_epsilon is not None:  # from the operator's plan, never the request's
+        floor = derive_sigma(policy.target_epsilon, delta, *policy.planned_releases(num_examples))
     if floor is not None and asked < floor * (1 - 1e-9):
         what = "σ" if not client or shares > 1 else f"σ/√shares = {request.client_sigma:g}/√{request.noise_shares}"
         return refuse(f"the server asks {what} = {asked:.4g}, below this cluster's floor σ ≥ {floor:.4g}")
