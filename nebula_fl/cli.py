@@ -38,6 +38,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="SuperLink port on 127.0.0.1 (0 picks a free one)")
     p.add_argument("--secure-aggregation", action="store_true", default=None,
                    help="mask every update so the server learns only their sum (sets secagg.enabled)")
+    p.add_argument("--cluster-policy", action="append", metavar="N=FILE",
+                   help="cluster N's operator's own privacy policy (JSON, as for `nebula-fl trainer --privacy-policy`), "
+                        "over what the run asks; repeatable")
     p.add_argument("--secure", action="store_true", default=None,
                    help="TLS and SuperNode authentication (certificates in RUN_DIR/certs; --resume keeps the setting)")
 
@@ -118,6 +121,26 @@ def _add_certs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--clusters", type=int, default=2, help="SuperNode key pairs to make (default 2)")
     p.add_argument("--days", type=int, default=365, help="validity of the certificates in days (default 365)")
     p.add_argument("--force", action="store_true", help="replace a set already in DIR")
+
+
+def _add_identity(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "identity",
+        help="print this cluster's secure-aggregation roster line (its identity key; made on first use)",
+        description="Print '<cluster-id> <identity key>' for the trainer whose --state-dir is given, making the key "
+        "if it has none. Each operator sends this line to the others; together the lines are the roster every "
+        "trainer gets with --secagg-peers, so that a server cannot add secure-aggregation members of its own.",
+    )
+    p.add_argument("--state-dir", required=True, help="the trainer's state folder (as for nebula-fl trainer)")
+    p.add_argument("--cluster-id", type=int, required=True, help="this cluster's id (as for nebula-fl trainer)")
+
+
+def _identity(args: argparse.Namespace) -> int:
+    from nebula_fl.secagg.identity import Identity, roster_line
+
+    folder = Path(args.state_dir).expanduser().resolve() / "secagg"
+    print(roster_line(args.cluster_id, Identity.load_or_create(folder)))
+    return 0
 
 
 def _certs(args: argparse.Namespace) -> int:
@@ -214,6 +237,7 @@ def parser() -> argparse.ArgumentParser:
     _add_trainer(sub)
     _add_privacy_report(sub)
     _add_certs(sub)
+    _add_identity(sub)
     return top
 
 
@@ -221,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return {"run": _run, "trainer": _trainer, "privacy-report": _privacy_report,
-                "certs": _certs}[args.command](args)
+                "certs": _certs, "identity": _identity}[args.command](args)
     except NebulaError as err:
         print(f"nebula-fl: error: {err}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ from nebula_fl.clients.secagg_stage import SecAggRefusal, SecAggStage
 from nebula_fl.compression import Compressor
 from nebula_fl.config import SecAggConfig
 from nebula_fl.privacy.policy import PrivacyPolicy, PrivacyRequest, admit
-from nebula_fl.secagg.reveal import RevealLog, refuse_recover, refuse_unmask
+from nebula_fl.secagg.reveal import RevealLog, refuse_recover, refuse_unmask, refuse_view
 from tests.secagg_harness import make_federation, run_round
 
 SHAPES = {"a": (60,), "b": (5, 8)}
@@ -95,7 +95,7 @@ def test_more_dropouts_than_the_threshold_allows_abort_the_round_and_the_next_on
     for c in clusters[:3]:
         c.drop_after_upload.add(2)  # they upload, then none of them helps unmask
     (arrays, _), _ = run_round(wrapper, grid, 2, initial)
-    assert arrays is None and "fewer than 3" in wrapper.report["aborted"]
+    assert arrays is None and "fewer than the 3" in wrapper.report["aborted"]
     check_round(wrapper, clusters, grid, layout, initial, 3, "none", set(range(5)))
 
 
@@ -135,7 +135,7 @@ def test_a_key_is_never_rebuilt_once_a_self_mask_share_of_it_was_revealed(tmp_pa
     clusters[0].drop_before_upload.add(2)
     clusters[1].drop_after_upload.add(2)
     (arrays, _), _ = run_round(wrapper, grid, 2, initial)
-    assert arrays is None and "key share" in wrapper.report["aborted"]
+    assert arrays is None and "key secret of dropped cluster 0 cannot be rebuilt" in wrapper.report["aborted"]
     assert any("self-mask share of cluster(s) ['0'] was revealed" in line for c in clusters for line in c.log)
     check_round(wrapper, clusters, grid, layout, initial, 3, "none", set(range(5)))
 
@@ -166,7 +166,7 @@ def test_a_share_sealed_with_another_key_is_refused(tmp_path):
     for c in clusters:
         c.tamper = swap
     (arrays, _), _ = run_round(wrapper, grid, 1, initial)
-    assert arrays is None and "fewer than 2" in wrapper.report["aborted"]
+    assert arrays is None and "fewer than the 2" in wrapper.report["aborted"]
 
 
 def _set_up_stage(tmp_path, n=3):
@@ -191,14 +191,22 @@ def test_a_replayed_unmask_request_gets_the_same_answer_and_a_changed_one_is_ref
 
 def test_a_server_asking_for_both_halves_of_a_secret_is_refused(tmp_path):
     log = RevealLog()
-    assert "both survived and dropped" in refuse_unmask(log, server_round=1, survivors={"0", "1"}, dropped={"1"})
-    log.self_shares[1], log.dropped[2], log.pair_keys[3] = {"1"}, {"1"}, {"2"}
+    view = dict(me="0", server_round=1, round_set={"0", "1", "2"}, threshold=2)
+    assert "both survived and dropped" in refuse_view(log, survivors={"0", "1"}, dropped={"1", "2"}, **view)
+    assert "not round 1's clusters" in refuse_view(log, survivors={"0", "1"}, dropped=set(), **view)
+    assert "not among the survivors" in refuse_view(log, survivors={"1", "2"}, dropped={"0"}, **view)
+    assert "fewer than the threshold 2" in refuse_view(log, survivors={"0"}, dropped={"1", "2"}, **view)
+    log.views[1] = [["0", "1"], ["2"]]
+    assert "one view of a round" in refuse_view(log, survivors={"0", "1", "2"}, dropped=set(), **view)
+    assert refuse_view(log, survivors={"0", "1"}, dropped={"2"}, **view) is None
+    log.self_shares[1], log.views[2] = {"1"}, [["0", "2"], ["1"]]
+    assert "did not drop out of round 2" in refuse_recover(log, server_round=2, clusters={"1"})  # only signed
+    log.certified.add(2)  # unmasked under that view: its evidence was checked
     assert "self-mask share of cluster(s) ['1']" in refuse_recover(log, server_round=2, clusters={"1"})
-    assert "unmasked the other way" in refuse_unmask(log, server_round=3, survivors={"2"}, dropped=set())
-    assert "unmasked the other way" in refuse_unmask(log, server_round=1, survivors=set(), dropped={"1"})
+    assert "did not drop out of round 1" in refuse_recover(log, server_round=1, clusters={"0"})
     log.key_shares = {"4"}
-    assert "key of cluster(s) ['4'] was revealed" in refuse_unmask(log, server_round=5, survivors={"4"}, dropped=set())
-    assert refuse_unmask(log, server_round=5, survivors={"0"}, dropped={"4"}) is None
+    assert "key of cluster(s) ['4'] was revealed" in refuse_unmask(log, server_round=5, survivors={"4"})
+    assert refuse_unmask(log, server_round=5, survivors={"0"}) is None
 
     clusters, request = _set_up_stage(tmp_path)  # on a real stage: round 1 unmasked, 1 survived
     stage = clusters[0].stage

@@ -68,11 +68,13 @@ def train(msg: Message, context: Context) -> Message:
     config = dict(msg.content.config_records["config"])
     reply, update = request(socket_path, {"op": "train", "config": config}, arrays, wait_s=TRAINER_WAIT_S)
     metrics = dict(reply["metrics"])
-    metrics["client-seconds"] = time.monotonic() - started
-    metrics["received-at"] = received_at
-    if (born := process_started_at()) is not None:
-        metrics["process-started-at"] = born
-    metrics["reply-sent-at"] = time.time()  # wall clock, so the server can time the upload of this reply
+    if "secagg-epoch" not in config:  # under secure aggregation a cluster reports no timing of its own (see
+        # trainer_service.IN_THE_CLEAR): how long it trained can tell how much data it holds
+        metrics["client-seconds"] = time.monotonic() - started
+        metrics["received-at"] = received_at
+        if (born := process_started_at()) is not None:
+            metrics["process-started-at"] = born
+        metrics["reply-sent-at"] = time.time()  # wall clock, so the server can time the upload of this reply
     content = RecordDict({
         "update": ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in update.items()}),
         **_records(metrics),

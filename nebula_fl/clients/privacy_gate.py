@@ -109,7 +109,7 @@ class PrivacyGate:
         return out
 
     def refusal(self, admission: Admission, *, federation: str, cluster_id: int) -> dict[str, Any]:
-        """The reply metrics of a refused round: who, why, and what is spent (nothing more was)."""
-        return {"cluster-id": cluster_id, "num-examples": self.num_examples, "privacy-refused": 1,
+        """The reply metrics of a refused round: who, why, and what is spent (nothing more was); not its size."""
+        return {"cluster-id": cluster_id, "privacy-refused": 1,
                 "privacy-reason": admission.reason, "privacy-refusal": admission.refusal,
                 **self.metrics(admission, federation=federation)}

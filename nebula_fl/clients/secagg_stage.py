@@ -1,14 +1,16 @@
 """The cluster's side of secure aggregation: its keys, the shares it holds, masking, and what it reveals.
 
-Lives on rank 0 beside the privacy gate, so only masked vectors leave the cluster. Four requests come
-from the server (through the ClientApp): `keys` (a new epoch: two fresh EC key pairs, public halves
-out), `share` (the epoch's members and their public keys: the neighbour graph is computed here, the
-mask key is Shamir-shared among the neighbours and itself, each share sealed to its holder), then per
-round the masking of the update (the train request carries the epoch, the round's clusters and, once,
-the key shares sealed to this cluster), `unmask` (self-mask shares of survivors, pair keys with
-clusters that dropped) and, rarely, `recover` (key shares of a dropped cluster). `reveal.py` decides
-what may be revealed. The state (private keys included) is a 0600 JSON file in the state folder,
-written before any reply leaves, so a restarted trainer keeps its keys and its promises.
+Lives on rank 0 beside the privacy gate, so only masked vectors leave the cluster. Requests come from the
+server (through the ClientApp): `keys` (a new epoch: two fresh EC key pairs, public halves out, signed
+with the cluster's identity key), `share` (the epoch's members, their keys and signatures, checked against
+the roster; the mask key is Shamir-shared among the neighbours and itself, each share sealed to its
+holder), then per round the masking of the update (the train request carries the epoch, the round set
+and, once, the key shares sealed to this cluster; the upload carries commitments and a signed receipt),
+`view` (only in a round with dropouts: sign the survivor set, once), `unmask` (self-mask shares of
+survivors, pair keys with clusters that dropped, on the evidence reveal.py demands) and, rarely, `recover`
+(key shares of a dropped cluster). `secagg/reveal.py` holds every rule and why it is enough. The state
+(private keys included) is a 0600 JSON file in the state folder, written before any reply leaves, so a
+restarted trainer keeps its keys and its promises.
 """
 
 from __future__ import annotations
@@ -25,16 +27,18 @@ from typing import Any
 import numpy as np
 
 from nebula_fl.errors import NebulaError
-from nebula_fl.secagg import field, graph, shares
+from nebula_fl.secagg import evidence, field, graph, shares
 from nebula_fl.secagg.field import FieldCode, FieldError
+from nebula_fl.secagg.identity import Identity, check_public, load_roster, verify
 from nebula_fl.secagg.masking import mask_input
 from nebula_fl.secagg.masks import pair_sign, round_key
-from nebula_fl.secagg.reveal import RevealLog, refuse_recover, refuse_unmask
+from nebula_fl.secagg.reveal import RevealLog, refuse_recover, refuse_unmask, refuse_view
 from nebula_fl.secagg.shares import KeyPair, ShareError
-from nebula_fl.secagg.wire import pack_upload
+from nebula_fl.secagg.wire import commitment, digest, pack_upload
 
 KEPT_EPOCHS = 2
 KEPT_ROUNDS = 8
+STATE_VERSION = 2  # state of an older layout is set aside: its epochs are unknown, so the server re-keys
 
 
 class SecAggRefusal(NebulaError):
@@ -50,6 +54,21 @@ def unb64(text: str) -> bytes:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Requirement:
+    """The operator's demand (privacy policy): every update leaves masked, in sums this large or larger."""
+
+    min_threshold: int = 2
+    """The fewest clusters whose sum the server may unmask (the epoch's threshold must be at least this)."""
+    min_clusters: int = 2
+    """The fewest clusters masked together in a round."""
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.min_threshold <= self.min_clusters:
+            raise ValueError(f"a secure-aggregation requirement needs 2 <= min threshold ({self.min_threshold}) <= "
+                             f"min clusters ({self.min_clusters})")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RoundPlan:
     """What the train request of a secure round fixed, checked before training."""
 
@@ -61,12 +80,73 @@ class RoundPlan:
     threshold: int
 
 
+def _members(value: Any, what: str) -> set[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value) or len(set(value)) != len(value):
+        raise SecAggRefusal(f"the request's {what} are not a list of distinct cluster ids")
+    return set(value)
+
+
+def _round_number(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SecAggRefusal(f"round {value!r} is not a round number")
+    return value
+
+
 class SecAggStage:
-    def __init__(self, *, state_dir: Path, cluster_id: int) -> None:
+    def __init__(self, *, state_dir: Path, cluster_id: int, roster: dict[str, str] | None = None,
+                 requirement: Requirement | None = None) -> None:
         self.me = str(cluster_id)
         self.folder = state_dir / "secagg"
+        self.roster, self.requirement = roster, requirement
         self.lock = threading.Lock()
         self.states: dict[str, dict[str, Any]] = {}  # federation -> its state
+        self._identity: Identity | None = None
+        if roster is not None and roster.get(self.me, self.identity.public) != self.identity.public:
+            raise NebulaError(f"the roster lists another identity key for cluster {self.me} than this state folder's "
+                              f"({self.folder}); fix the roster line or use this cluster's own state folder")
+
+    @classmethod
+    def for_policy(cls, *, state_dir: Path, cluster_id: int, policy: Any) -> SecAggStage:
+        """The stage a cluster's privacy policy sets up: its roster (`secagg_peers`) and its requirement, if any."""
+        roster = load_roster(policy.secagg_peers) if policy.secagg_peers else None
+        requirement = (Requirement(min_threshold=policy.secagg_threshold, min_clusters=policy.secagg_clusters)
+                       if policy.require_secure_aggregation else None)
+        return cls(state_dir=state_dir, cluster_id=cluster_id, roster=roster, requirement=requirement)
+
+    def describe(self) -> str:
+        """One phrase for the trainer's start line."""
+        need = ("no requirement" if self.requirement is None else
+                f"required, in sums of at least {self.requirement.min_threshold} of at least "
+                f"{self.requirement.min_clusters} clusters")
+        who = (f"roster of {len(self.roster)} clusters" if self.roster is not None else
+               "no roster (--secagg-peers): the server alone says who the members are, so a lying server could "
+               "add members of its own")
+        return f"secure aggregation: {need}, {who}"
+
+    def requirement_refusal(self, config: dict[str, Any]) -> str | None:
+        """Why this cluster's policy refuses the round as the server asks it (unmasked, or masked too weakly)."""
+        need = self.requirement
+        if need is None:
+            return None
+        if "secagg-epoch" not in config:
+            return ("this cluster's policy requires secure aggregation and the server asks for an unmasked update; "
+                    "run the federation with --secure-aggregation (secagg.enabled=true)")
+        with self.lock:
+            e = self._state(str(config.get("federation-id")))["epochs"].get(str(config.get("secagg-epoch")), {})
+        threshold, round_set = e.get("threshold"), config.get("secagg-round-set")
+        if isinstance(threshold, int) and threshold < need.min_threshold:
+            return (f"the server's secure aggregation unmasks sums of {threshold} clusters; this cluster's policy "
+                    f"requires at least {need.min_threshold} (raise secagg.threshold)")
+        if isinstance(round_set, list) and len(round_set) < need.min_clusters:
+            return (f"the server masks {len(round_set)} clusters together; this cluster's policy requires at least "
+                    f"{need.min_clusters}")
+        return None
+
+    @property
+    def identity(self) -> Identity:
+        if self._identity is None:
+            self._identity = Identity.load_or_create(self.folder)
+        return self._identity
 
     # -- state -------------------------------------------------------------------------------------
     def _path(self, federation: str) -> Path:
@@ -75,7 +155,10 @@ class SecAggStage:
     def _state(self, federation: str) -> dict[str, Any]:
         if federation not in self.states:
             path = self._path(federation)
-            self.states[federation] = json.loads(path.read_text()) if path.exists() else {"epochs": {}, "rounds": {}}
+            state = json.loads(path.read_text()) if path.exists() else {}
+            if state.get("version") != STATE_VERSION:
+                state = {"version": STATE_VERSION, "epochs": {}, "rounds": {}}
+            self.states[federation] = state
         return self.states[federation]
 
     def _save(self, federation: str) -> None:
@@ -108,24 +191,26 @@ class SecAggStage:
                                 "the server must set up keys again")
         return found
 
+    def _set_up(self, federation: str, epoch: str) -> dict[str, Any]:
+        e = self._epoch(federation, epoch)
+        if "setup" not in e:
+            raise SecAggRefusal(f"epoch {epoch} has no shares yet; the server must finish its setup")
+        return e
+
     # -- requests from the server ------------------------------------------------------------------
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         """One setup or unmasking request; returns the reply (raises SecAggRefusal with the reason)."""
         stage, federation, epoch = request.get("stage"), request.get("federation-id"), request.get("epoch")
         if not isinstance(federation, str) or not isinstance(epoch, str) or not epoch:
             raise SecAggRefusal("a secure-aggregation request without its federation id and epoch")
+        handlers = {"keys": self._keys, "share": self._share, "view": self._view, "unmask": self._unmask,
+                    "recover": self._recover}
+        if stage not in handlers:
+            raise SecAggRefusal(f"unknown secure-aggregation stage {stage!r}")
         with self.lock:
-            if stage == "keys":
-                return self._keys(federation, epoch)
-            if stage == "share":
-                return self._share(federation, epoch, request)
-            if stage == "unmask":
-                return self._unmask(federation, epoch, request)
-            if stage == "recover":
-                return self._recover(federation, epoch, request)
-        raise SecAggRefusal(f"unknown secure-aggregation stage {stage!r}")
+            return handlers[stage](federation, epoch, request)
 
-    def _keys(self, federation: str, epoch: str) -> dict[str, Any]:
+    def _keys(self, federation: str, epoch: str, _request: dict[str, Any]) -> dict[str, Any]:
         epochs = self._state(federation)["epochs"]
         if epoch not in epochs:  # a replayed request gets the same keys, never a second pair for one epoch
             c, s = KeyPair.generate(), KeyPair.generate()
@@ -134,31 +219,54 @@ class SecAggStage:
                              "s_sk": s.private_pem.decode(), "s_pk": s.public.decode()}
             self._save(federation)
         e = epochs[epoch]
-        return {"c-pk": e["c_pk"], "s-pk": e["s_pk"]}
+        return {"c-pk": e["c_pk"], "s-pk": e["s_pk"], "id-pk": self.identity.public,
+                "key-sig": self.identity.sign("keys", federation, epoch, self.me, e["c_pk"], e["s_pk"])}
+
+    def _identities(self, members: list[str], offered: list[Any]) -> dict[str, str]:
+        """Each member's identity key: the roster's, or (without a roster) the one the server forwarded."""
+        if self.roster is not None:
+            strangers = [m for m in members if m not in self.roster]
+            if strangers:
+                raise SecAggRefusal(f"cluster(s) {strangers} are not on this cluster's roster of peers; the server "
+                                    "cannot add members of its own")
+            return {m: self.roster[m] for m in members}
+        try:
+            return {m: check_public(k) for m, k in zip(members, offered)}
+        except (ValueError, TypeError) as err:
+            raise SecAggRefusal(f"a member's identity key is invalid: {err}") from None
 
     def _share(self, federation: str, epoch: str, request: dict[str, Any]) -> dict[str, Any]:
         e = self._epoch(federation, epoch)
         members, c_pks, s_pks = request.get("members"), request.get("c-pks"), request.get("s-pks")
-        if not (isinstance(members, list) and isinstance(c_pks, list) and isinstance(s_pks, list)
-                and len(members) == len(c_pks) == len(s_pks) and all(isinstance(m, str) for m in members)):
-            raise SecAggRefusal("the share request's members and public keys do not line up")
-        setup = {"members": members, "c_pks": c_pks, "s_pks": s_pks,
+        id_pks, sigs = request.get("id-pks"), request.get("key-sigs")
+        if not (isinstance(members, list) and all(isinstance(v, list) for v in (c_pks, s_pks, id_pks, sigs))
+                and len(members) == len(c_pks) == len(s_pks) == len(id_pks) == len(sigs)
+                and all(isinstance(m, str) for m in members) and all(isinstance(k, str) for k in c_pks + s_pks)):
+            raise SecAggRefusal("the share request's members, public keys and signatures do not line up")
+        setup = {"members": members, "c_pks": c_pks, "s_pks": s_pks, "id_pks": id_pks, "sigs": sigs,
                  "num_shares": request.get("num-shares"), "threshold": request.get("threshold")}
         if "setup" in e:  # a replay: the same answer, or a refusal if the server changed anything
             if e["setup"] != setup:
                 raise SecAggRefusal(f"epoch {epoch} was set up already with other members or keys")
             return {"to": list(e["tokens"]), "tokens": list(e["tokens"].values())}
-        if self.me not in members:
-            raise SecAggRefusal(f"cluster {self.me} is not among the epoch's members {members}")
+        if self.me not in members or len(set(members)) != len(members):
+            raise SecAggRefusal(f"cluster {self.me} is not once among the epoch's members {members}")
         mine = members.index(self.me)
         if (c_pks[mine], s_pks[mine]) != (e["c_pk"], e["s_pk"]):
             raise SecAggRefusal("the server lists other public keys for this cluster than the ones it gave")
         if len(set(c_pks)) != len(c_pks) or len(set(s_pks)) != len(s_pks):
             raise SecAggRefusal("two members of the epoch share a public key")
+        ids = self._identities(members, id_pks)
+        forged = [m for m, c, s, sig in zip(members, c_pks, s_pks, sigs)
+                  if not verify(ids[m], sig, "keys", federation, epoch, m, c, s)]
+        if forged:
+            raise SecAggRefusal(f"the keys the server lists for cluster(s) {forged} are not signed by their identity "
+                                "keys: forged or altered on the way")
         num_shares, threshold = setup["num_shares"], setup["threshold"]
         if isinstance(num_shares, bool) or not isinstance(num_shares, int) or num_shares < 0:
             raise SecAggRefusal(f"num-shares {num_shares!r} is not a count")
-        nbrs = graph.neighbours(members, num_shares=num_shares, seed=epoch)[self.me]
+        nbrs_of = graph.neighbours(members, num_shares=num_shares, seed=epoch)
+        nbrs = nbrs_of[self.me]
         holders = len(nbrs) + 1
         if isinstance(threshold, bool) or not isinstance(threshold, int) or not (2 <= threshold <= holders
                                                                                  and 2 * threshold > holders):
@@ -176,22 +284,27 @@ class SecAggStage:
             if holder == self.me:
                 e["own_key_share"] = b64(piece)
                 continue
-            key = shares.fernet_key(e["c_sk"].encode(), c_pks[members.index(holder)].encode())
             header = {"kind": "key", "from": self.me, "to": holder, "epoch": epoch}
-            tokens[holder] = shares.seal(key, header=header, share=piece).decode()
-        e.update(setup=setup, neighbours=list(nbrs), threshold=threshold, tokens=tokens, key_shares={},
-                 log=RevealLog().state_dict())
+            tokens[holder] = shares.seal(self._seal_key(e, holder, setup), header=header, share=piece).decode()
+        e.update(setup=setup, ids=ids, graph={m: list(v) for m, v in nbrs_of.items()}, neighbours=list(nbrs),
+                 threshold=threshold, tokens=tokens, key_shares={}, log=RevealLog().state_dict())
         self._save(federation)
         return {"to": list(tokens), "tokens": list(tokens.values())}
+
+    @staticmethod
+    def _seal_key(e: dict[str, Any], other: str, setup: dict[str, Any]) -> bytes:
+        """The key sealing shares between this cluster and `other` (ECDH of their `c` keys)."""
+        return shares.fernet_key(e["c_sk"].encode(), setup["c_pks"][setup["members"].index(other)].encode())
 
     # -- a secure round ----------------------------------------------------------------------------
     def prepare(self, config: dict[str, Any]) -> RoundPlan:
         """Check a secure round's train request and keep the key shares it delivers; before any training."""
         federation, epoch, rnd = config.get("federation-id"), config.get("secagg-epoch"), config.get("server-round")
+        if why := self.requirement_refusal(config):  # the trainer asks first, to refuse as its policy; never skipped
+            raise SecAggRefusal(why)
         with self.lock:
-            e = self._epoch(str(federation), str(epoch))
-            if "setup" not in e:
-                raise SecAggRefusal(f"epoch {epoch} has no shares yet; the server must finish its setup")
+            e = self._set_up(str(federation), str(epoch))
+            rnd = _round_number(rnd)
             round_set = config.get("secagg-round-set")
             if not isinstance(round_set, list) or self.me not in round_set or len(set(round_set)) != len(round_set):
                 raise SecAggRefusal(f"the round's clusters {round_set!r} do not include cluster {self.me} once")
@@ -202,6 +315,10 @@ class SecAggStage:
             if len(holders) < e["threshold"]:
                 raise SecAggRefusal(f"only {len(holders)} of this cluster's share holders are in the round; "
                                     f"{e['threshold']} are needed to unmask it")
+            done = self._state(str(federation))["rounds"].get(str(rnd))
+            if done is not None and done["epoch"] == epoch:
+                raise SecAggRefusal(f"round {rnd} was masked already in epoch {epoch}; a round is masked once, or two "
+                                    "uploads under the same pair masks would unmask each other's difference")
             try:
                 code = FieldCode(bits=int(config["secagg-bits"]), clip=float(config["secagg-clip"]),
                                  max_weight=int(config["secagg-max-weight"]), clusters=len(round_set))
@@ -209,20 +326,18 @@ class SecAggStage:
                 raise SecAggRefusal(f"the round's field encoding is invalid: {err}") from None
             self._deliver(e, epoch=str(epoch), config=config)
             self._save(str(federation))
-            return RoundPlan(federation=str(federation), epoch=str(epoch), server_round=int(rnd),
+            return RoundPlan(federation=str(federation), epoch=str(epoch), server_round=rnd,
                              round_set=tuple(round_set), code=code, threshold=int(e["threshold"]))
 
     def _deliver(self, e: dict[str, Any], *, epoch: str, config: dict[str, Any]) -> None:
         senders, tokens = config.get("secagg-key-from") or [], config.get("secagg-key-tokens") or []
-        if len(senders) != len(tokens):
+        if not isinstance(senders, list) or not isinstance(tokens, list) or len(senders) != len(tokens):
             raise SecAggRefusal("the delivered key shares and their senders do not line up")
-        members = e["setup"]["members"]
         for sender, token in zip(senders, tokens):
             if sender not in e["neighbours"] or sender in e["key_shares"]:
                 continue
-            key = shares.fernet_key(e["c_sk"].encode(), e["setup"]["c_pks"][members.index(sender)].encode())
             try:
-                piece = shares.unseal(key, str(token).encode(),
+                piece = shares.unseal(self._seal_key(e, sender, e["setup"]), str(token).encode(),
                                       expect={"kind": "key", "from": sender, "to": self.me, "epoch": epoch})
             except ShareError as err:
                 raise SecAggRefusal(f"the key share of cluster {sender} does not open: {err}") from None
@@ -235,22 +350,27 @@ class SecAggStage:
             return "neighbours" in e and set(e["neighbours"]) <= set(e.get("key_shares", {}))
 
     def mask(self, plan: RoundPlan, *, values: np.ndarray, weight: int) -> np.ndarray:
-        """The upload of this round: (w·x, w) encoded, masked, packed, with its self-mask seed shared out."""
+        """The upload of this round: (w·x, w) encoded, masked, packed, with its self-mask seed shared out, its
+        commitments and its signed receipt."""
         rng = np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
         try:
             encoded = field.encode(values, weight=weight, code=plan.code, rng=rng)
         except FieldError as err:
             raise SecAggRefusal(f"cannot encode the update: {err}") from None
         with self.lock:
-            e = self._epoch(plan.federation, plan.epoch)
-            members = e["setup"]["members"]
+            e = self._set_up(plan.federation, plan.epoch)
+            rounds = self._state(plan.federation)["rounds"]
+            done = rounds.get(str(plan.server_round))
+            if done is not None and done["epoch"] == plan.epoch:
+                raise SecAggRefusal(f"round {plan.server_round} was masked already in epoch {plan.epoch}")
             in_round = [n for n in e["neighbours"] if n in plan.round_set]
             seed = os.urandom(32)  # this round's self mask: fresh, never reused
             pair: dict[int, list[bytes]] = {1: [], -1: []}
+            pair_commits: dict[str, str] = {}
             for other in in_round:
-                secret = shares.pair_secret(e["s_sk"].encode(), e["setup"]["s_pks"][members.index(other)].encode())
-                pair[pair_sign(self.me, other)].append(
-                    round_key(secret, epoch=plan.epoch, server_round=plan.server_round))
+                key = self._round_key(e, other, plan.server_round, epoch=plan.epoch)
+                pair[pair_sign(self.me, other)].append(key)
+                pair_commits[other] = commitment(key)
             holders = [self.me, *in_round]
             pieces = shares.split(seed, threshold=plan.threshold, holders=len(holders))
             tokens: dict[str, str] = {}
@@ -258,83 +378,128 @@ class SecAggStage:
                 if holder == self.me:
                     own = b64(piece)
                     continue
-                key = shares.fernet_key(e["c_sk"].encode(), e["setup"]["c_pks"][members.index(holder)].encode())
                 header = {"kind": "self", "from": self.me, "to": holder, "epoch": plan.epoch,
                           "round": plan.server_round}
-                tokens[holder] = shares.seal(key, header=header, share=piece).decode()
-            masked = mask_input(encoded, code=plan.code, self_seed=seed, pair_keys=pair)
-            self._state(plan.federation)["rounds"][str(plan.server_round)] = {
-                "epoch": plan.epoch, "round_set": list(plan.round_set), "own_share": own}
+                tokens[holder] = shares.seal(self._seal_key(e, holder, e["setup"]), header=header,
+                                             share=piece).decode()
+            masked = field.pack(mask_input(encoded, code=plan.code, self_seed=seed, pair_keys=pair), bits=plan.code.bits)
+            head: dict[str, Any] = {"tokens": tokens, "commit": {"self": commitment(seed), "pairs": pair_commits}}
+            head["receipt"] = self.identity.sign("upload", *evidence.upload_fields(
+                federation=plan.federation, epoch=plan.epoch, server_round=plan.server_round,
+                round_set=plan.round_set, member=self.me, digest=digest(head, masked)))
+            rounds[str(plan.server_round)] = {"epoch": plan.epoch, "round_set": list(plan.round_set), "own_share": own}
             self._save(plan.federation)
-        return pack_upload(masked=field.pack(masked, bits=plan.code.bits), tokens=tokens)
+        return pack_upload(masked=masked, head=head)
 
-    # -- unmasking -----------------------------------------------------------------------------------
-    def _round(self, federation: str, epoch: str, rnd: Any) -> dict[str, Any]:
+    def _round_key(self, e: dict[str, Any], other: str, server_round: int, *, epoch: str) -> bytes:
+        members = e["setup"]["members"]
+        secret = shares.pair_secret(e["s_sk"].encode(), e["setup"]["s_pks"][members.index(other)].encode())
+        return round_key(secret, epoch=epoch, server_round=server_round)
+
+    # -- agreeing on a view, and unmasking -------------------------------------------------------------
+    def _round(self, federation: str, epoch: str, rnd: int) -> dict[str, Any]:
         entry = self._state(federation)["rounds"].get(str(rnd))
         if entry is None or entry["epoch"] != epoch:
             raise SecAggRefusal(f"cluster {self.me} did not upload round {rnd} in epoch {epoch}")
         return entry
 
-    def _unmask(self, federation: str, epoch: str, request: dict[str, Any]) -> dict[str, Any]:
-        e = self._epoch(federation, epoch)
-        rnd = request.get("round")
-        entry = self._round(federation, epoch, rnd)
-        survivors, dropped = set(request.get("survivors") or []), set(request.get("dropped") or [])
-        digest = hashlib.sha256(json.dumps([sorted(survivors), sorted(dropped), request.get("from"),
-                                            request.get("tokens")], sort_keys=True).encode()).hexdigest()
-        if "unmask" in entry:  # asked again (a lost reply): the same answer; asked otherwise: refused
-            if entry["unmask"]["digest"] != digest:
-                raise SecAggRefusal(f"round {rnd} was unmasked already; a different request for it is refused")
-            return entry["unmask"]["reply"]
-        if self.me not in survivors or not (survivors | dropped) <= set(entry["round_set"]):
-            raise SecAggRefusal(f"the unmask request's clusters do not match round {rnd}'s")
-        if (survivors | dropped) != set(entry["round_set"]):
-            raise SecAggRefusal(f"the unmask request leaves out some of round {rnd}'s clusters")
-        log = RevealLog.from_state_dict(e["log"])
-        why = refuse_unmask(log, server_round=int(rnd), survivors=survivors, dropped=dropped)
+    def _checked_view(self, e: dict[str, Any], entry: dict[str, Any], log: RevealLog, request: dict[str, Any],
+                      rnd: int) -> tuple[set[str], set[str]]:
+        """(survivors, dropped) of the request, if rules 1 and 2 of reveal.py allow acting on them."""
+        survivors = _members(request.get("survivors"), "survivors")
+        dropped = _members(request.get("dropped", []), "dropouts")
+        why = refuse_view(log, me=self.me, server_round=rnd, round_set=set(entry["round_set"]), survivors=survivors,
+                          dropped=dropped, threshold=int(e["threshold"]))
         if why:
             raise SecAggRefusal(why)
-        members = e["setup"]["members"]
+        return survivors, dropped
+
+    def _view(self, federation: str, epoch: str, request: dict[str, Any]) -> dict[str, Any]:
+        """Sign the survivor set of a round with dropouts; signing commits this cluster to it (rule 2)."""
+        e = self._set_up(federation, epoch)
+        rnd = _round_number(request.get("round"))
+        entry = self._round(federation, epoch, rnd)
+        log = RevealLog.from_state_dict(e["log"])
+        survivors, dropped = self._checked_view(e, entry, log, request, rnd)
+        if not dropped:
+            raise SecAggRefusal(f"round {rnd} has no dropouts: it is unmasked on the upload receipts, unsigned")
+        log.views[rnd] = [sorted(survivors), sorted(dropped)]
+        e["log"] = log.state_dict()
+        self._save(federation)
+        sig = self.identity.sign("view", *evidence.view_fields(
+            federation=federation, epoch=epoch, server_round=rnd, round_set=entry["round_set"], survivors=survivors))
+        return {"signature": sig}
+
+    def _unmask(self, federation: str, epoch: str, request: dict[str, Any]) -> dict[str, Any]:
+        e = self._set_up(federation, epoch)
+        rnd = _round_number(request.get("round"))
+        entry = self._round(federation, epoch, rnd)
+        digest_ = hashlib.sha256(json.dumps(request, sort_keys=True, default=str).encode()).hexdigest()
+        if "unmask" in entry:  # asked again (a lost reply): the same answer; asked otherwise: refused
+            if entry["unmask"]["digest"] != digest_:
+                raise SecAggRefusal(f"round {rnd} was unmasked already; a different request for it is refused")
+            return entry["unmask"]["reply"]
+        log = RevealLog.from_state_dict(e["log"])
+        survivors, dropped = self._checked_view(e, entry, log, request, rnd)
+        self._check_evidence(e, entry, request, federation=federation, epoch=epoch, rnd=rnd,
+                             survivors=survivors, dropped=dropped)
+        why = refuse_unmask(log, server_round=rnd, survivors=survivors)
+        if why:
+            raise SecAggRefusal(why)
         senders, tokens = request.get("from") or [], request.get("tokens") or []
-        if len(senders) != len(tokens):
+        if not isinstance(senders, list) or not isinstance(tokens, list) or len(senders) != len(tokens):
             raise SecAggRefusal("the forwarded self-mask shares and their senders do not line up")
-        sealed = dict(zip(senders, tokens))
+        sealed = dict(zip(map(str, senders), tokens))
         out_from, out_shares, unreadable = [self.me], [entry["own_share"]], []
         for sender in sorted(survivors & set(e["neighbours"])):
             if sender not in sealed:
                 unreadable.append(sender)
                 continue
-            key = shares.fernet_key(e["c_sk"].encode(), e["setup"]["c_pks"][members.index(sender)].encode())
-            header = {"kind": "self", "from": sender, "to": self.me, "epoch": epoch, "round": int(rnd)}
+            header = {"kind": "self", "from": sender, "to": self.me, "epoch": epoch, "round": rnd}
             try:
-                piece = shares.unseal(key, str(sealed[sender]).encode(), expect=header)
+                piece = shares.unseal(self._seal_key(e, sender, e["setup"]), str(sealed[sender]).encode(),
+                                      expect=header)
             except ShareError:
                 unreadable.append(sender)
                 continue
             out_from.append(sender)
             out_shares.append(b64(piece))
-        pair_with, pair_keys = [], []
-        for other in sorted(dropped & set(e["neighbours"])):
-            secret = shares.pair_secret(e["s_sk"].encode(), e["setup"]["s_pks"][members.index(other)].encode())
-            pair_with.append(other)
-            pair_keys.append(b64(round_key(secret, epoch=epoch, server_round=int(rnd))))
-        log.self_shares.setdefault(int(rnd), set()).update(out_from)
-        log.pair_keys.setdefault(int(rnd), set()).update(pair_with)
-        log.dropped[int(rnd)] = dropped
+        pair_with = sorted(dropped & set(e["neighbours"]))
+        pair_keys = [b64(self._round_key(e, other, rnd, epoch=epoch)) for other in pair_with]
+        log.views[rnd] = [sorted(survivors), sorted(dropped)]
+        log.certified.add(rnd)
+        log.self_shares.setdefault(rnd, set()).update(out_from)
+        log.pair_keys.setdefault(rnd, set()).update(pair_with)
         e["log"] = log.state_dict()
         reply = {"self-from": out_from, "self-shares": out_shares, "pair-with": pair_with, "pair-keys": pair_keys,
                  "unreadable": unreadable}
-        entry["unmask"] = {"digest": digest, "reply": reply}
+        entry["unmask"] = {"digest": digest_, "reply": reply}
         self._save(federation)
         return reply
 
+    def _check_evidence(self, e: dict[str, Any], entry: dict[str, Any], request: dict[str, Any], *, federation: str,
+                        epoch: str, rnd: int, survivors: set[str], dropped: set[str]) -> None:
+        """Rule 3 of reveal.py: every member's receipt (no dropouts), or a view certified around this cluster."""
+        round_set, ids = entry["round_set"], e["ids"]
+        if not dropped:
+            missing = evidence.missing_receipts(evidence.json_map(request.get("receipts")), ids=ids,
+                                                federation=federation, epoch=epoch, server_round=rnd, round_set=round_set)
+            if missing:
+                raise SecAggRefusal(f"no valid upload receipt of cluster(s) {missing} for round {rnd}: the server "
+                                    "claims nobody dropped without the proof")
+            return
+        signers = evidence.view_signers(evidence.json_map(request.get("signatures")), ids=ids, federation=federation,
+                                        epoch=epoch, server_round=rnd, round_set=round_set, survivors=sorted(survivors))
+        why = evidence.uncertified(signers, me=self.me, dropped=dropped, neighbours=e["graph"],
+                                   threshold=int(e["threshold"]))
+        if why:
+            raise SecAggRefusal(f"round {rnd}'s survivor set is not certified: {why}")
+
     def _recover(self, federation: str, epoch: str, request: dict[str, Any]) -> dict[str, Any]:
-        e = self._epoch(federation, epoch)
-        rnd = request.get("round")
-        wanted = set(request.get("clusters") or [])
+        e = self._set_up(federation, epoch)
+        rnd = _round_number(request.get("round"))
+        wanted = _members(request.get("clusters"), "clusters")
         log = RevealLog.from_state_dict(e["log"])
-        if isinstance(rnd, bool) or not isinstance(rnd, int):
-            raise SecAggRefusal(f"round {rnd!r} is not a round number")
         why = refuse_recover(log, server_round=rnd, clusters=wanted)
         if why:
             raise SecAggRefusal(why)
@@ -343,3 +508,4 @@ class SecAggStage:
         e["log"] = log.state_dict()
         self._save(federation)
         return {"key-from": list(held), "key-shares": list(held.values())}
+

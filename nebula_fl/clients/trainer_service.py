@@ -36,7 +36,7 @@ from nebula_fl.clients.secagg_stage import SecAggRefusal, SecAggStage
 from nebula_fl.data.datasets import TextDataset
 from nebula_fl.errors import NebulaError
 from nebula_fl.privacy.cluster_ledger import LEDGER_FILE, ClusterLedger
-from nebula_fl.privacy.policy import POLICY_FILE, PrivacyPolicy
+from nebula_fl.privacy.policy import POLICY_FILE, PrivacyPolicy, refuse
 
 CONTROL_TIMEOUT = timedelta(days=30)  # ranks >= 1 idle in a broadcast between rounds; rounds can be far apart
 MAX_FRAME = 1 << 31
@@ -44,6 +44,33 @@ LOCK_FILE = "trainer.lock"
 LOCK_WAIT_S = 30.0  # how long a trainer waits for the one before it on its state folder to stop
 # Metrics computed from the private data and not covered by the DP guarantee: never sent under DP.
 DATA_DEPENDENT = ("train-loss", "update-norm-before-clip", "clipped", "rank-divergence")
+# Under secure aggregation a reply says in the clear only this, each harmless to say: the server learns the sum of
+# the updates and weights, and nothing computed from one cluster's data or size.
+IN_THE_CLEAR = {
+    "cluster-id": "who answers: the server addressed this cluster",
+    "secagg-keys-held": "protocol state: whether the key shares arrived",
+    "steps": "the local steps the server asked for",
+    "workers": "the cluster's hardware, not its data",
+    "device": "the cluster's hardware, not its data",
+    "codec-up": "the codec the server asked for",
+    "update-bytes": "fixed by the codec and the adapter's size",
+    "privacy-mode": "the operator's policy mode",
+    "noise-multiplier": "σ: the request's, or the operator's floor",
+    "max-grad-norm": "the clipping norm: the request's, or the operator's",
+    "max-epsilon": "the operator's budget",
+    "accountant": "the operator's choice",
+}
+# Client-level DP accounts each release at q = 1 and δ = 1e-5 (or the operator's): ε depends on σ and the number of
+# rounds only. Per-example DP's ε, q and default δ depend on the shard size: they stay in the cluster's own report.
+IN_THE_CLEAR_CLIENT_DP = ("epsilon", "epsilon-federation", "delta", "dp-steps", "sample-rate")
+
+
+def in_the_clear(metrics: dict[str, Any], *, mode: str) -> dict[str, Any]:
+    """What a securely aggregated round's reply may say: no example count, no loss, no timing of its own (a
+    server sees when a reply arrives, not how long the training in it took; under per-example DP with the
+    default logical batch of n/8 that time grows with n)."""
+    allowed = set(IN_THE_CLEAR) | (set(IN_THE_CLEAR_CLIENT_DP) if mode == "client" else set())
+    return {k: v for k, v in metrics.items() if k in allowed}
 
 
 @dataclass(kw_only=True)
@@ -118,7 +145,7 @@ class Boundary:
         ledger = ClusterLedger(path=opts.state_dir / LEDGER_FILE, accountant=opts.policy.accountant)
         self.gate = PrivacyGate(policy=opts.policy, ledger=ledger, num_examples=len(opts.shard))
         self.cache = ReplyCache(root=opts.state_dir / "replies")
-        self.secagg = SecAggStage(state_dir=opts.state_dir, cluster_id=opts.cluster_id)
+        self.secagg = SecAggStage.for_policy(state_dir=opts.state_dir, cluster_id=opts.cluster_id, policy=opts.policy)
         self.jobs: queue.Queue = queue.Queue()
 
     # -- connections (threads) -------------------------------------------------------------------
@@ -220,6 +247,10 @@ class Boundary:
         if released and released[-1] > rnd:
             return self._error(f"round {rnd} of federation {fed} is older than round {released[-1]}, which this "
                                "cluster already released; it never trains the past again")
+        if why := self.secagg.requirement_refusal(config):  # the operator demands masking: refused as its policy
+            _log(self.opts, f"round {rnd} declined (policy): {why}")
+            return pack({"ok": True, "metrics": self.gate.refusal(refuse(why), federation=fed,
+                                                                   cluster_id=self.opts.cluster_id)})
         plan = None
         if "secagg-epoch" in config:  # a securely aggregated round: checked before anything is trained
             try:
@@ -243,12 +274,11 @@ class Boundary:
             return self._error(str(err))
         _log(self.opts, f"round {rnd}: loss {metrics['train-loss']:.4f}, {metrics['seconds']:.1f} s, "
                         f"rank divergence {metrics['rank-divergence']:g}")
-        if admission.mode != "off" or plan is not None:
-            # only the noised (or masked) update is protected: figures computed from the data stay here, and
-            # under secure aggregation so does this cluster's weight (its example count)
-            hidden = DATA_DEPENDENT + (("num-examples",) if plan is not None else ())
-            metrics = {k: v for k, v in metrics.items() if k not in hidden}
+        if admission.mode != "off":  # only the noised update is protected: figures computed from the data stay here
+            metrics = {k: v for k, v in metrics.items() if k not in DATA_DEPENDENT}
         metrics.update(self.gate.metrics(admission, federation=fed))
+        if plan is not None:
+            metrics = in_the_clear(metrics, mode=admission.mode)
         frame = pack({"ok": True, "metrics": metrics}, update)
         self.cache.put(fed, rnd, frame)
         return frame
@@ -315,6 +345,7 @@ def run_trainer(opts: TrainerOptions) -> int:
             raise NebulaError("--device cuda was given but no CUDA device is visible; use --device cpu")
     opts.policy.check_for(len(opts.shard))
     lock = _lock_state_dir(opts.state_dir)
+    secagg = SecAggStage.for_policy(state_dir=opts.state_dir, cluster_id=opts.cluster_id, policy=opts.policy)
     if socket_in_use(opts.socket_path):
         raise NebulaError(f"another trainer already serves '{opts.socket_path}'; stop it first, or pass another --socket")
     ledger = ClusterLedger(path=opts.state_dir / LEDGER_FILE, accountant=opts.policy.accountant)  # readable, or exit 2
@@ -343,7 +374,7 @@ def run_trainer(opts: TrainerOptions) -> int:
     print(
         f"trainer {opts.cluster_id}: {opts.workers} worker(s) on {opts.device}, {len(opts.shard)} examples, "
         f"socket {opts.socket_path}; privacy policy: {policy.mode}{budget}; ledger {spent['sample']} sample-level "
-        f"step(s), {spent['client']} client-level release(s) so far",
+        f"step(s), {spent['client']} client-level release(s) so far; {secagg.describe()}",
         flush=True,
     )
     status = 0

@@ -192,16 +192,17 @@ class Federation:
         )
         # Trainers load torch and the model while the SuperLink and then the ServerApp start up.
         trainers = []
+        roster = self._write_roster()
         for i in range(plan.clusters):
             sock = socket_dir / f"cluster-{i}.sock"
             argv = [
                 sys.executable, "-m", "nebula_fl", "trainer", "--socket", str(sock), "--cluster-id", str(i),
                 "--workers", str(plan.workers[i]), "--device", plan.devices[i], "--threads", str(plan.threads[i]),
-                "--model", cfg.model.model, "--state-dir", str(self.folder.path / "clusters" / str(i) / "state"),
+                "--model", cfg.model.model, "--state-dir", str(self._state_dir(i)),
                 "--dataset", cfg.data.dataset, "--num-clusters", str(plan.clusters), "--partition", cfg.data.partition,
                 "--seed", str(cfg.federation.seed), "--test-fraction", str(cfg.data.test_fraction),
                 "--max-examples", str(cfg.data.max_examples),
-                "--privacy-policy", str(self._write_policy(i)),
+                "--privacy-policy", str(self._write_policy(i, roster)),
             ]
             proc = self.procs.start(f"trainer-{i}", argv, log_path=self.logs / f"trainer-{i}.log", env=env)
             trainers.append((i, sock, proc))
@@ -242,15 +243,39 @@ class Federation:
             )
         self.console.print(f"federation started: {plan.clusters} cluster(s), logs in {self.logs}")
 
-    def _write_policy(self, cluster: int) -> Path:
-        """Each cluster's own privacy policy, as its operator would write it for this run (never weaker)."""
-        from nebula_fl.privacy.policy import policy_for_run
+    def _write_policy(self, cluster: int, roster: Path | None) -> Path:
+        """Each cluster's own privacy policy, as its operator would write it for this run (never weaker), with
+        the fields of its --cluster-policy over it and the federation's roster (this launcher made every key)."""
+        from nebula_fl.privacy.policy import PrivacyPolicy, policy_for_run
 
         path = self.folder.path / "clusters" / str(cluster) / "privacy-policy.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         cfg = self.plan.config
-        policy_for_run(cfg.privacy, rounds=cfg.federation.num_server_rounds, local_steps=cfg.train.local_steps).save(path)
+        fields = policy_for_run(cfg.privacy, rounds=cfg.federation.num_server_rounds,
+                                local_steps=cfg.train.local_steps).to_dict()
+        fields.update((self.plan.cluster_policies or {}).get(cluster, {}))
+        if roster is not None:
+            fields.setdefault("secagg_peers", str(roster))
+        PrivacyPolicy.from_dict(fields, where=f"cluster {cluster}'s privacy policy").save(path)
         return path
+
+    def _write_roster(self) -> Path | None:
+        """The clusters' identity keys (made here, in each cluster's state folder), when anything masks: what
+        operators across machines exchange by hand (`nebula-fl identity`)."""
+        from nebula_fl.secagg.identity import Identity, roster_line
+
+        own = self.plan.cluster_policies or {}
+        if not (self.plan.config.secagg.enabled or any(p.get("require_secure_aggregation") for p in own.values())):
+            return None
+        lines = [roster_line(i, Identity.load_or_create(self._state_dir(i) / "secagg")) for i in range(self.plan.clusters)]
+        path = self.folder.path / "clusters" / "peers.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("# the federation's secure-aggregation roster: <cluster-id> <identity key>\n" + "\n".join(lines)
+                        + "\n")
+        return path
+
+    def _state_dir(self, cluster: int) -> Path:
+        return self.folder.path / "clusters" / str(cluster) / "state"
 
     def _start_wan(self, socket_dir: Path, port: int, env: dict[str, str]) -> list[int]:
         """One emulated WAN link (a counting, shaping proxy) per cluster; returns the ports to connect to."""

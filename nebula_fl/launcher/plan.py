@@ -47,6 +47,7 @@ class LaunchPlan:
     wan: list[str] | None = None  # one emulated-link profile per cluster, or no emulated WAN
     secure: bool = False  # TLS and SuperNode authentication (launcher/secure.py)
     rewind: bool = False  # move damaged newest checkpoints aside before resuming (RunFolder.rewind_checkpoints)
+    cluster_policies: dict[int, dict[str, Any]] | None = None  # an operator's own policy fields, over the run's
 
     @property
     def threads(self) -> list[int]:
@@ -57,7 +58,8 @@ class LaunchPlan:
 
     def launcher_record(self) -> dict[str, Any]:
         return {"clusters": self.clusters, "workers": self.workers, "devices": self.devices, "port": self.port,
-                "wan": self.wan, "secure": self.secure}
+                "wan": self.wan, "secure": self.secure,
+                "cluster_policies": {str(k): v for k, v in (self.cluster_policies or {}).items()}}
 
 
 MAX_RUN_CONFIG_CHARS = 65_536  # Flower's parser slows down quadratically on long input
@@ -166,7 +168,8 @@ def make_plan(args: Any) -> LaunchPlan:
     devices = _per_cluster(args.device or "cpu", clusters, "--device", _device)
     plan = LaunchPlan(config=config, out=out, clusters=clusters, workers=workers, devices=devices,
                       port=args.port, resume=False, wan=_wan_profiles(args.wan, clusters),
-                      secure=bool(getattr(args, "secure", None)))
+                      secure=bool(getattr(args, "secure", None)),
+                      cluster_policies=_cluster_policies(getattr(args, "cluster_policy", None), clusters))
     _check(plan)
     return plan
 
@@ -174,7 +177,7 @@ def make_plan(args: Any) -> LaunchPlan:
 def _resume_plan(args: Any) -> LaunchPlan:
     given = [name for name in ("clusters", "local_steps", "outer_optimizer", "partition", "seed", "out", "run_config",
                                "workers_per_cluster", "device", "preset", "codec", "wan", "secure", "secure_aggregation",
-                               "task")
+                               "task", "cluster_policy")
              if getattr(args, name, None) is not None]
     if given:
         raise NebulaError(
@@ -205,9 +208,29 @@ def _resume_plan(args: Any) -> LaunchPlan:
     plan = LaunchPlan(config=config, out=folder.path, clusters=int(launcher["clusters"]),
                       workers=list(launcher["workers"]), devices=list(launcher["devices"]),
                       port=args.port, resume=True, wan=launcher.get("wan"), secure=bool(launcher.get("secure")),
-                      rewind=rewind)
+                      rewind=rewind,
+                      cluster_policies={int(k): v for k, v in (launcher.get("cluster_policies") or {}).items()})
     _check(plan)
     return plan
+
+
+def _cluster_policies(given: list[str] | None, clusters: int) -> dict[int, dict[str, Any]]:
+    """--cluster-policy N=FILE: cluster N's operator's own policy fields (checked), applied over the run's."""
+    import json
+
+    from nebula_fl.privacy.policy import PrivacyPolicy
+
+    out: dict[int, dict[str, Any]] = {}
+    for item in given or []:
+        index, sep, path = item.partition("=")
+        if not sep or not index.strip().isdigit() or not 0 <= int(index) < clusters:
+            raise NebulaError(f"--cluster-policy '{item}' is not N=FILE with N a cluster (0..{clusters - 1})")
+        PrivacyPolicy.load(path)  # one clear line for a missing file, bad JSON or a bad field
+        fields = json.loads(Path(path).read_text())
+        if isinstance(fields.get("secagg_peers"), str):  # a relative roster path is the policy file's neighbour
+            fields["secagg_peers"] = str(Path(path).expanduser().resolve().parent / fields["secagg_peers"])
+        out[int(index)] = fields
+    return out
 
 
 def _default_out(preset: str) -> Path:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.fernet import InvalidToken
 from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
@@ -55,9 +57,19 @@ def check_public(data: bytes) -> bytes:
     return bytes(data)
 
 
+@lru_cache(maxsize=1024)
 def fernet_key(private_pem: bytes, peer_public: bytes) -> bytes:
-    """The Fernet key two clusters agree on (ECDH + HKDF-SHA256, Flower's `generate_shared_key`)."""
+    """The Fernet key two clusters agree on (ECDH + HKDF-SHA256, Flower's `generate_shared_key`); kept for the
+    process's life, as the private key it comes from is: a round unseals one share per neighbour, each time."""
     return generate_shared_key(bytes_to_private_key(private_pem), bytes_to_public_key(peer_public))
+
+
+def matches_public(private_pem: bytes, public: bytes) -> bool:
+    """Whether a rebuilt private key is the one behind `public` (False for anything that is not a key)."""
+    try:
+        return public_key_to_bytes(bytes_to_private_key(bytes(private_pem)).public_key()) == bytes(public)
+    except (ValueError, TypeError, AttributeError, UnsupportedAlgorithm):
+        return False
 
 
 def pair_secret(private_pem: bytes, peer_public: bytes) -> bytes:

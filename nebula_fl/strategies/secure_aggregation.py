@@ -19,10 +19,11 @@ privacy (refusals, the client-level accountant): under client-level DP it asks e
 
 from __future__ import annotations
 
-import base64
+import json
 import secrets
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
@@ -35,11 +36,23 @@ from nebula_fl.compression import Compressor
 from nebula_fl.compression.randk import RandK
 from nebula_fl.config import SecAggConfig
 from nebula_fl.secagg import field, graph, shares
+from nebula_fl.secagg.evidence import upload_fields, view_fields
 from nebula_fl.secagg.field import FieldCode, FieldError
+from nebula_fl.secagg.identity import verify
 from nebula_fl.secagg.masking import remove_masks
 from nebula_fl.secagg.masks import pair_sign, round_key
+from nebula_fl.secagg.rebuild import rebuild
+from nebula_fl.secagg.replies import (
+    ReplyError,
+    Unmasked,
+    parse_keys,
+    parse_recover,
+    parse_share_tokens,
+    parse_signature,
+    parse_unmask,
+)
 from nebula_fl.secagg.shares import ShareError
-from nebula_fl.secagg.wire import unpack_upload
+from nebula_fl.secagg.wire import commitment, digest, unpack_upload
 from nebula_fl.strategies.adapter_strategy import CONFIG_KEY, METRICS_KEY, UPDATE_KEY
 from nebula_fl.strategies.base import NebulaStrategy, NodeTraffic
 from nebula_fl.strategies.compression import BLOB, CompressionWrapper
@@ -50,6 +63,16 @@ RECORD = "secagg"
 
 class StageFailed(Exception):
     """A stage left too few clusters: the round aborts with this reason."""
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One cluster's usable upload of the round."""
+
+    vector: np.ndarray  # the masked field vector
+    tokens: dict[str, str]  # holder -> its sealed share of this cluster's self-mask seed
+    commits: dict[str, Any]  # SHA-256 of the self-mask seed ("self") and of each pair key ("pairs")
+    receipt: list[str]  # [digest, signature]: the proof, forwarded to every holder, that this cluster uploaded
 
 
 class SecAggWrapper(NebulaStrategy):
@@ -77,7 +100,8 @@ class SecAggWrapper(NebulaStrategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state["inner"])
         epoch = state.get("epoch")
-        self.epoch = None if epoch is None else {**epoch, "acked": set(epoch["acked"])}
+        # an epoch saved before clusters signed their keys has no identities: set up keys again
+        self.epoch = None if epoch is None or "ids" not in epoch else {**epoch, "acked": set(epoch["acked"])}
         self.rekey = set(state.get("rekey", []))
 
     def needs_identity(self) -> bool:
@@ -123,12 +147,22 @@ class SecAggWrapper(NebulaStrategy):
         return got, failed
 
     def _setup(self, nodes: dict[int, str], federation: str, server_round: int) -> None:
-        """A new key epoch over the round's clusters: public keys, then sealed key shares."""
+        """A new key epoch over the round's clusters: signed public keys, then sealed key shares."""
         started = time.monotonic()
         epoch_id = f"r{server_round}-{secrets.token_hex(4)}"
         base = {"federation-id": federation, "epoch": epoch_id}
         got, _ = self._stage(nodes, {n: {**base, "stage": "keys"} for n in nodes}, what="key setup")
-        members = sorted(got, key=_order)
+        keys: dict[str, tuple[str, str, str, str]] = {}
+        for cluster, reply in got.items():
+            try:
+                keys[cluster] = parse_keys(reply)
+                if not verify(keys[cluster][2], keys[cluster][3], "keys", federation, epoch_id, cluster,
+                              *keys[cluster][:2]):
+                    raise ReplyError("its keys are not signed by its identity key")
+            except ReplyError as err:
+                keys.pop(cluster, None)
+                self._bad_reply("key setup", cluster, err)
+        members = sorted(keys, key=_order)
         threshold = self.cfg.threshold_for(len(members))
         if len(members) < max(2, threshold):
             raise StageFailed(f"only {len(members)} cluster(s) answered the key setup; secure aggregation needs "
@@ -136,10 +170,9 @@ class SecAggWrapper(NebulaStrategy):
         if len(members) == 2:
             log(WARNING, "secure aggregation over 2 clusters: the server learns only their sum, but each of them can "
                 "subtract its own update from the aggregate, and neither may drop out of a round")
-        c_pks = [str(got[c]["c-pk"]) for c in members]
-        s_pks = [str(got[c]["s-pk"]) for c in members]
-        request = {**base, "stage": "share", "members": members, "c-pks": c_pks, "s-pks": s_pks,
-                   "num-shares": self.cfg.num_shares, "threshold": threshold}
+        c_pks, s_pks, id_pks, sigs = ([keys[c][i] for c in members] for i in range(4))
+        request = {**base, "stage": "share", "members": members, "c-pks": c_pks, "s-pks": s_pks, "id-pks": id_pks,
+                   "key-sigs": sigs, "num-shares": self.cfg.num_shares, "threshold": threshold}
         in_epoch = {n: c for n, c in nodes.items() if c in members}
         shared, failed = self._stage(in_epoch, dict.fromkeys(in_epoch, request), what="share distribution")
         if failed:
@@ -147,10 +180,16 @@ class SecAggWrapper(NebulaStrategy):
                               "next round")
         tokens: dict[str, dict[str, str]] = {c: {} for c in members}  # holder -> sender -> sealed key share
         for sender, reply in shared.items():
-            for holder, token in zip(reply.get("to", []), reply.get("tokens", [])):
-                if holder in tokens:
-                    tokens[holder][sender] = str(token)
-        self.epoch = {"id": epoch_id, "members": members, "c_pks": c_pks, "s_pks": s_pks, "threshold": threshold,
+            try:
+                for holder, token in parse_share_tokens(reply).items():
+                    if holder in tokens:
+                        tokens[holder][sender] = token
+            except ReplyError as err:
+                self._bad_reply("share distribution", sender, err)
+                raise StageFailed(f"cluster {sender}'s share distribution is unusable; keys are set up again next "
+                                  "round") from None
+        self.epoch = {"id": epoch_id, "members": members, "c_pks": c_pks, "s_pks": s_pks, "ids": dict(zip(members, id_pks)),
+                      "threshold": threshold,
                       "neighbours": {c: list(v) for c, v in
                                      graph.neighbours(members, num_shares=self.cfg.num_shares, seed=epoch_id).items()},
                       "tokens": tokens, "acked": set()}
@@ -158,6 +197,11 @@ class SecAggWrapper(NebulaStrategy):
         self.report["setup_s"] = time.monotonic() - started
         log(INFO, "secure aggregation: key epoch %s over %d clusters (threshold %d) in %.1f s", epoch_id,
             len(members), threshold, self.report["setup_s"])
+
+    def _bad_reply(self, what: str, cluster: str, err: Exception) -> None:
+        """A holder whose reply cannot be used is left out of the stage, and why is logged and recorded."""
+        self.report.setdefault("bad_replies", {})[cluster] = f"{what}: {err}"
+        log(WARNING, "secure aggregation %s: cluster %s left out: %s", what, cluster, err)
 
     # -- a round ---------------------------------------------------------------------------------------
     def _code(self, round_size: int) -> FieldCode:
@@ -198,7 +242,7 @@ class SecAggWrapper(NebulaStrategy):
             return []
         code = self._code(len(round_set))
         self.round = {"set": round_set, "code": code, "nodes": {n: c for n, c in nodes.items() if c in round_set},
-                      "federation": federation, "positions": self._positions()}
+                      "federation": federation, "positions": self._positions(), "server_round": server_round}
         out = []
         for m in messages:
             cluster = nodes.get(m.metadata.dst_node_id)
@@ -241,12 +285,13 @@ class SecAggWrapper(NebulaStrategy):
         self.rejected.update(self.inner.rejected)
         return arrays, metrics
 
-    def _uploads(self, replies: list[Message]) -> tuple[dict[str, tuple[np.ndarray, dict[str, str]]], dict[int, str]]:
-        """Each survivor's masked vector and sealed shares; a malformed upload drops its cluster here."""
+    def _uploads(self, replies: list[Message]) -> tuple[dict[str, Upload], dict[int, str]]:
+        """Each survivor's masked vector, sealed shares and commitments, its receipt checked; a malformed upload
+        drops its cluster here, before it can touch the sum."""
         assert self.epoch is not None
-        code = self.round["code"]
+        code, rnd = self.round["code"], self.round["server_round"]
         count = self._coordinates() + 1
-        uploads: dict[str, tuple[np.ndarray, dict[str, str]]] = {}
+        uploads: dict[str, Upload] = {}
         uploaded: dict[int, str] = {}
         for reply in replies:
             node = self.node_of(reply)
@@ -258,16 +303,23 @@ class SecAggWrapper(NebulaStrategy):
                 if str(int(metrics["cluster-id"])) != cluster:
                     raise ValueError(f"it says it is cluster {metrics['cluster-id']}, not {cluster}")
                 blob = reply.content.array_records[UPDATE_KEY][BLOB].numpy()
-                masked, tokens = unpack_upload(blob)
+                masked, head = unpack_upload(blob)
                 vector = field.unpack(masked, bits=code.bits, count=count)
                 owed = {n for n in self.epoch["neighbours"][cluster] if n in self.round["set"]}
-                if set(tokens) != owed:
-                    raise ValueError(f"it sealed self-mask shares for {sorted(tokens)}, not for {sorted(owed)}")
+                if set(head["tokens"]) != owed or set(head["commit"]["pairs"]) != owed:
+                    raise ValueError(f"it sealed shares or committed pair keys for {sorted(head['tokens'])}, not for "
+                                     f"{sorted(owed)}")
+                signed = digest(head, masked)
+                if not verify(self.epoch["ids"][cluster], head["receipt"], "upload", *upload_fields(
+                        federation=self.round["federation"], epoch=self.epoch["id"], server_round=rnd,
+                        round_set=self.round["set"], member=cluster, digest=signed)):
+                    raise ValueError("its receipt is not its signature of this round's upload")
             except (KeyError, ValueError, TypeError, FieldError) as err:
                 self.rejected[node] = f"masked upload unusable: {err}"
-                log(WARNING, "round: dropped the masked upload of cluster %s: %s", cluster, err)
+                log(WARNING, "round %d: dropped the masked upload of cluster %s: %s", rnd, cluster, err)
                 continue
-            uploads[cluster] = (vector, tokens)
+            uploads[cluster] = Upload(vector=vector, tokens=head["tokens"], commits=head["commit"],
+                                      receipt=[signed, head["receipt"]])
             uploaded[node] = cluster
             if metrics.get("secagg-keys-held"):
                 self.epoch["acked"].add(cluster)
@@ -283,9 +335,9 @@ class SecAggWrapper(NebulaStrategy):
         positions = self.round["positions"]
         return self.inner.layout().size if positions is None else len(positions)
 
-    def _unmask(self, server_round: int, uploads: dict[str, tuple[np.ndarray, dict[str, str]]]
-                ) -> tuple[np.ndarray, float]:
-        """The unmask trip (and, if needed, the recover trip); returns (flat mean update, Σw)."""
+    def _unmask(self, server_round: int, uploads: dict[str, Upload]) -> tuple[np.ndarray, float]:
+        """The unmask trip (after the view trip when clusters dropped; rarely a recover trip after it);
+        returns (flat mean update, Σw)."""
         assert self.epoch is not None
         started = time.monotonic()
         epoch, code, t = self.epoch, self.round["code"], self.epoch["threshold"]
@@ -294,38 +346,55 @@ class SecAggWrapper(NebulaStrategy):
         if len(survivors) < t:
             raise StageFailed(f"{len(survivors)} masked upload(s), fewer than the threshold {t}")
         node_of = {c: n for n, c in self.round["nodes"].items()}
-        base = {"federation-id": self.round["federation"], "epoch": epoch["id"], "stage": "unmask",
-                "round": server_round, "survivors": survivors, "dropped": dropped}
+        base = {"federation-id": self.round["federation"], "epoch": epoch["id"], "round": server_round,
+                "survivors": survivors, "dropped": dropped}
+        if dropped:  # the survivors sign the survivor set: one more trip, only in a round with dropouts
+            proof = {"signatures": json.dumps(self._view_signatures(base, survivors, node_of), sort_keys=True)}
+        else:  # nobody dropped: every upload's receipt is the proof, no extra trip
+            proof = {"receipts": json.dumps({c: u.receipt for c, u in uploads.items()}, sort_keys=True)}
         requests = {}
         for holder in survivors:
-            senders = [s for s in survivors if holder in uploads[s][1]]
-            requests[node_of[holder]] = {**base, "from": senders, "tokens": [uploads[s][1][holder] for s in senders]}
+            senders = [s for s in survivors if holder in uploads[s].tokens]
+            requests[node_of[holder]] = {**base, **proof, "stage": "unmask", "from": senders,
+                                         "tokens": [uploads[s].tokens[holder] for s in senders]}
         got, _ = self._stage({node_of[c]: c for c in survivors}, requests, what="unmasking")
-        self.report["unmask_trip_s"] = time.monotonic() - started  # the message round trip, all clusters
-        seeds = [_rebuild(got, cluster, names="self-from", values="self-shares", threshold=t, kind="self-mask",
-                          whose=f"cluster {cluster}") for cluster in survivors]
-        unreadable = {h: list(r["unreadable"]) for h, r in got.items() if r.get("unreadable")}
+        self.report["unmask_trip_s"] = time.monotonic() - started  # the message round trips, all clusters
+        revealed: dict[str, Unmasked] = {}
+        for holder, reply in got.items():
+            try:
+                revealed[holder] = parse_unmask(reply, holder=holder, survivors=set(survivors), dropped=set(dropped),
+                                                neighbours=set(epoch["neighbours"][holder]))
+            except ReplyError as err:
+                self._bad_reply("unmasking", holder, err)
+        seeds = []
+        for cluster in survivors:
+            pieces = {h: r.self_shares[cluster] for h, r in revealed.items() if cluster in r.self_shares}
+            commit = uploads[cluster].commits["self"]
+            seeds.append(self._rebuild(pieces, kind="self-mask", whose=f"cluster {cluster}",
+                                       check=lambda seed, commit=commit: commitment(seed) == commit))
+        unreadable = {h: list(r.unreadable) for h, r in revealed.items() if r.unreadable}
         if unreadable:
             self.report["unreadable"] = unreadable
-        for holder, reply in got.items():
-            if reply.get("unreadable"):
-                log(WARNING, "round %d: cluster %s could not open the self-mask shares of %s (tampered or sealed with "
-                    "another key); they were not counted", server_round, holder, reply["unreadable"])
+            log(WARNING, "round %d: shares that holders could not open (tampered or sealed with another key), not "
+                "counted: %s", server_round, unreadable)
         orphans, missing = [], []
         for gone in dropped:
             for j in survivors:
                 if gone not in epoch["neighbours"][j]:
                     continue
-                reply = got.get(j)
-                if reply is not None and gone in reply.get("pair-with", []):
-                    orphans.append((pair_sign(j, gone), base64.b64decode(reply["pair-keys"][reply["pair-with"].index(gone)])))
+                key = revealed[j].pair_keys.get(gone) if j in revealed else None
+                if key is not None and commitment(key) == uploads[j].commits["pairs"].get(gone):
+                    orphans.append((pair_sign(j, gone), key))
                 else:
+                    if key is not None:
+                        self._bad_reply("unmasking", j, ValueError(f"its pair key with {gone} does not match its "
+                                                                   "commitment"))
                     missing.append((j, gone))
         if missing:
-            orphans += self._recover(server_round, missing, answered=set(got), node_of=node_of)
+            orphans += self._recover(server_round, missing, answered=set(revealed), node_of=node_of)
         total = np.zeros(self._coordinates() + 1, dtype=np.uint64)
-        for vector, _ in uploads.values():
-            total = field.add(total, vector, code=code)
+        for upload in uploads.values():
+            total = field.add(total, upload.vector, code=code)
         plain = remove_masks(total, code=code, self_seeds=seeds, orphan_pairs=orphans)
         weighted, weight = field.decode_sum(plain, code=code)
         if weight <= 0:
@@ -340,32 +409,70 @@ class SecAggWrapper(NebulaStrategy):
         self.report.update(unmask_s=time.monotonic() - started, survivors=len(survivors), dropped=dropped)
         return flat, float(weight)
 
+    def _view_signatures(self, base: dict[str, Any], survivors: list[str], node_of: dict[str, int]) -> dict[str, str]:
+        """Every survivor's signature of the survivor set (the valid ones: the clusters check them anyway)."""
+        assert self.epoch is not None
+        got, _ = self._stage({node_of[c]: c for c in survivors},
+                             {node_of[c]: {**base, "stage": "view"} for c in survivors}, what="survivor agreement")
+        fields = view_fields(federation=base["federation-id"], epoch=base["epoch"], server_round=base["round"],
+                             round_set=self.round["set"], survivors=survivors)
+        signatures = {}
+        for cluster, reply in got.items():
+            try:
+                sig = parse_signature(reply)
+                if not verify(self.epoch["ids"][cluster], sig, "view", *fields):
+                    raise ReplyError("its signature of the survivor set does not verify")
+                signatures[cluster] = sig
+            except ReplyError as err:
+                self._bad_reply("survivor agreement", cluster, err)
+        self.report["signed_view"] = len(signatures)
+        return signatures
+
     def _recover(self, server_round: int, missing: list[tuple[str, str]], *, answered: set[str],
                  node_of: dict[str, int]) -> list[tuple[int, bytes]]:
-        """Rebuild the mask keys of dropped clusters whose pair keys nobody alive could reveal."""
+        """Rebuild the mask keys of dropped clusters whose pair keys nobody alive revealed."""
         assert self.epoch is not None
-        epoch, t = self.epoch, self.epoch["threshold"]
+        epoch = self.epoch
         wanted = sorted({gone for _, gone in missing}, key=_order)
         holders = sorted({h for g in wanted for h in epoch["neighbours"][g] if h in answered}, key=_order)
         request = {"federation-id": self.round["federation"], "epoch": epoch["id"], "stage": "recover",
                    "round": server_round}
+        asked = {h: [g for g in wanted if g in epoch["neighbours"][h]] for h in holders}
         got, _ = self._stage({node_of[h]: h for h in holders},
-                             {node_of[h]: {**request, "clusters": [g for g in wanted if g in epoch["neighbours"][h]]}
-                              for h in holders}, what="key recovery")
+                             {node_of[h]: {**request, "clusters": asked[h]} for h in holders}, what="key recovery")
+        held: dict[str, dict[str, bytes]] = {}
+        for holder, reply in got.items():
+            try:
+                held[holder] = parse_recover(reply, wanted=set(asked[holder]))
+            except ReplyError as err:
+                self._bad_reply("key recovery", holder, err)
         keys: dict[str, bytes] = {}
+        members = epoch["members"]
         for gone in wanted:
-            keys[gone] = _rebuild(got, gone, names="key-from", values="key-shares", threshold=t, kind="key",
-                                  whose=f"dropped cluster {gone}")
+            s_pk = epoch["s_pks"][members.index(gone)].encode()
+            keys[gone] = self._rebuild({h: r[gone] for h, r in held.items() if gone in r}, kind="key",
+                                       whose=f"dropped cluster {gone}",
+                                       check=lambda pem, s_pk=s_pk: shares.matches_public(pem, s_pk))
             self.rekey.add(gone)
             log(INFO, "round %d: the mask key of cluster %s was rebuilt; it re-keys before it is sampled again",
                 server_round, gone)
-        members = epoch["members"]
         out = []
         for j, gone in missing:
             secret = shares.pair_secret(keys[gone], epoch["s_pks"][members.index(j)].encode())
             out.append((pair_sign(j, gone), round_key(secret, epoch=epoch["id"], server_round=server_round)))
         self.report["recovered"] = wanted
         return out
+
+    def _rebuild(self, pieces: dict[str, bytes], *, kind: str, whose: str, check) -> bytes:
+        """A secret from the holders' shares, checked; a holder whose share is wrong is named and left out."""
+        assert self.epoch is not None
+        try:
+            secret, wrong = rebuild(pieces, threshold=self.epoch["threshold"], check=check)
+        except ShareError as err:
+            raise StageFailed(f"the {kind} secret of {whose} cannot be rebuilt: {err}") from None
+        for holder in sorted(wrong):
+            self._bad_reply(f"{kind} share of {whose}", holder, ValueError("its share is wrong"))
+        return secret
 
     # -- pass-through ----------------------------------------------------------------------------------
     def observe_traffic(self, traffic: dict[int, NodeTraffic]) -> None:
@@ -386,19 +493,6 @@ class SecAggWrapper(NebulaStrategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return self.inner.aggregate_evaluate(server_round, replies)
-
-
-def _rebuild(replies: dict[str, dict[str, Any]], cluster: str, *, names: str, values: str, threshold: int,
-             kind: str, whose: str) -> bytes:
-    """A secret of `cluster` from the shares the holders' replies list under `names` / `values`."""
-    pieces = [base64.b64decode(r[values][r[names].index(cluster)]) for r in replies.values()
-              if cluster in r.get(names, [])]
-    if len(pieces) < threshold:
-        raise StageFailed(f"{len(pieces)} {kind} share(s) of {whose} came back, fewer than {threshold}")
-    try:
-        return shares.combine(pieces[:threshold])
-    except ShareError as err:
-        raise StageFailed(f"the {kind} secret of {whose} cannot be rebuilt: {err}") from None
 
 
 def _order(cid: str) -> tuple[int, str]:

@@ -1,0 +1,83 @@
+"""The evidence a holder needs before it reveals anything: upload receipts, or a certified survivor set.
+
+Both ride on messages that are sent anyway, so a round without dropouts costs no extra trip:
+- an *upload receipt* is a cluster's signature of (federation, epoch, round, round set, digest of its
+  upload), made when it masks and carried inside the upload. A round in which every member of the round
+  set uploaded is unmasked on the receipts of all of them (the "full view").
+- a *view signature* is a survivor's signature of (federation, epoch, round, round set, survivors), made
+  in the one extra trip of a round with dropouts, once per round (see reveal.py: signing commits).
+
+Pure functions of the identity keys and the neighbour graph; `reveal.py` says why each check is enough.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from nebula_fl.secagg.identity import verify
+
+
+def upload_fields(*, federation: str, epoch: str, server_round: int, round_set: Sequence[str], member: str,
+                  digest: str) -> tuple:
+    return (federation, epoch, int(server_round), sorted(round_set), member, digest)
+
+
+def view_fields(*, federation: str, epoch: str, server_round: int, round_set: Sequence[str],
+                survivors: Sequence[str]) -> tuple:
+    return (federation, epoch, int(server_round), sorted(round_set), sorted(survivors))
+
+
+def missing_receipts(receipts: object, *, ids: Mapping[str, str], federation: str, epoch: str, server_round: int,
+                     round_set: Sequence[str]) -> list[str]:
+    """The members of the round set without a valid receipt (digest, signature) for this round; [] = all there."""
+    receipts = receipts if isinstance(receipts, Mapping) else {}
+    missing = []
+    for member in sorted(round_set):
+        entry = receipts.get(member)
+        ok = (isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) == 2
+              and isinstance(entry[0], str) and member in ids
+              and verify(ids[member], entry[1], "upload", *upload_fields(
+                  federation=federation, epoch=epoch, server_round=server_round, round_set=round_set,
+                  member=member, digest=entry[0])))
+        if not ok:
+            missing.append(member)
+    return missing
+
+
+def view_signers(signatures: object, *, ids: Mapping[str, str], federation: str, epoch: str, server_round: int,
+                 round_set: Sequence[str], survivors: Sequence[str]) -> set[str]:
+    """The survivors whose signature of exactly this view is valid."""
+    signatures = signatures if isinstance(signatures, Mapping) else {}
+    fields = view_fields(federation=federation, epoch=epoch, server_round=server_round, round_set=round_set,
+                         survivors=survivors)
+    return {m for m in survivors if m in ids and verify(ids[m], signatures.get(m), "view", *fields)}
+
+
+def uncertified(signers: set[str], *, me: str, dropped: set[str], neighbours: Mapping[str, Sequence[str]],
+                threshold: int) -> str | None:
+    """Why the view is not certified for holder `me`, or None: at least `threshold` signers among the share
+    holders of `me` and among those of every dropped neighbour of `me` (a neighbourhood counts its centre)."""
+    def around(c: str) -> set[str]:
+        return {c, *neighbours[c]}
+
+    if len(signers & around(me)) < threshold:
+        return (f"{len(signers & around(me))} of this cluster's share holders signed the survivor set; "
+                f"{threshold} must")
+    for gone in sorted(dropped & set(neighbours[me])):
+        if len(signers & around(gone)) < threshold:
+            return (f"{len(signers & around(gone))} of the share holders of dropped cluster {gone} signed the "
+                    f"survivor set; {threshold} must")
+    return None
+
+
+def json_map(value: Any) -> dict[str, Any]:
+    """Evidence travels as a JSON object in a string (config records hold no maps); {} for anything else."""
+    if not isinstance(value, str):
+        return {}
+    try:
+        data = json.loads(value)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
