@@ -18,7 +18,7 @@ ClientApp's reply) are fixed inside Flower, the same on every side. What each si
 from its processes and records and stated in the table's caption and in results.json (`polling`).
 
     .venv/bin/python benchmarks/secagg.py            # 4 rounds per 8-cluster side, the demo's 5 rounds
-    .venv/bin/python benchmarks/secagg.py --quick    # 3 rounds each, fewer examples, no legacy plain: < 10 min
+    .venv/bin/python benchmarks/secagg.py --quick    # 3 rounds each, fewer examples, no legacy plain
 
 Writes results.json (and each side's run folder and logs) under --out; prints a table with the goals.
 """
@@ -415,7 +415,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help=f"3 rounds, fewer examples, no legacy plain side, the demo pair in {DEMO_ROUNDS_QUICK} "
-                             "rounds (< 10 min on 2 cores)")
+                             "rounds without its round-0 evaluation (--no-demo: the 8-cluster sides only)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per 8-cluster side (default 4; --quick 3)")
     parser.add_argument("--clusters", type=int, default=8)
     parser.add_argument("--lora-r", type=int, default=108, help="LoRA rank: 108 gives ~1M adapter parameters")
