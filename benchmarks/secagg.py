@@ -6,11 +6,19 @@ the whole adapter) and a training cost kept tiny so that the rounds measure the 
   1. `nebula-fl run` plain and `nebula-fl run --secure-aggregation` (same seed, data, rounds),
   2. Flower 1.42's legacy SecAgg+ (`SecAggPlusWorkflow`, via `secagg_legacy_run.run_legacy`) on real
      processes with the same clusters and the adapter's parameter count, and its plain round.
+  3. the shipped demo (`nebula-fl run --preset demo`: its model, data, 2 clusters and local steps) plain and
+     with `--secure-aggregation`, same seed: `secure_over_plain_demo`, beside the 8-cluster figure.
 Round 1 holds the one-time key setup of a key epoch, so round times are compared on rounds 2..R
 (medians); the median over all rounds and the setup seconds are reported too.
 
-    .venv/bin/python benchmarks/secagg.py            # 4 rounds per side
-    .venv/bin/python benchmarks/secagg.py --quick    # 3 rounds, fewer examples, no legacy plain: < 10 min
+Every side polls alike: the legacy ServerApp pulls replies at nebula-fl's own interval (read from
+nebula-fl's code, not typed here) instead of Flower's fixed 3 s, and every SuperNode's SuperExec gets the
+launcher's FLWR_SUPEREXEC_TASK_POLL_INTERVAL; flower-supernode's own polls (3 s when idle, 0.5 s for a
+ClientApp's reply) are fixed inside Flower, the same on every side. What each side ran with is read back
+from its processes and records and stated in the table's caption and in results.json (`polling`).
+
+    .venv/bin/python benchmarks/secagg.py            # 4 rounds per 8-cluster side, the demo's 5 rounds
+    .venv/bin/python benchmarks/secagg.py --quick    # 3 rounds each, fewer examples, no legacy plain
 
 Writes results.json (and each side's run folder and logs) under --out; prints a table with the goals.
 """
@@ -18,22 +26,135 @@ Writes results.json (and each side's run folder and logs) under --out; prints a 
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
 import json
 import math
+import os
 import shlex
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 from federation_runs import fresh_out, run_federation  # beside this script, first on sys.path
 from rich.console import Console
 from rich.table import Table
 from safetensors import safe_open
 from secagg_legacy_run import run_legacy
 
-GOALS = {"secure_over_plain": ("<=", 1.3), "legacy_over_nebula": (">", 1.0), "bytes_secure_over_plain": ("<=", 1.1)}
+import nebula_fl.server.app as server_app
+import nebula_fl.strategies.secure_aggregation as secure_strategy
+from nebula_fl.config import PRESETS, default_run_config
+from nebula_fl.launcher.federation import child_env
+from nebula_fl.strategies.base import NebulaStrategy
+
+GOALS = {"secure_over_plain": ("<=", 1.3), "legacy_over_nebula": (">", 1.0), "bytes_secure_over_plain": ("<=", 1.1),
+         "secure_over_plain_demo": ("<=", 1.3)}
+TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
+FLOWER_DEFAULT_TASK_POLL = "1.0"  # flwr 1.42's SuperExec when the variable is not set
+# Inside flower-supernode, not settable: a pull every 3 s while it has no message, and a poll every 0.5 s
+# for its ClientApp's reply (NOTES.md, read from flwr 1.42's source). The same binary on every side.
+SUPERNODE_FIXED = {"supernode_idle_pull_s": 3.0, "supernode_reply_poll_s": 0.5}
+# the demo preset's own num-server-rounds; --quick runs DEMO_ROUNDS_QUICK
+DEMO_ROUNDS = int({**default_run_config(), **PRESETS["demo"]}["num-server-rounds"])
+DEMO_ROUNDS_QUICK = 3  # the fewest that leave a median of two rounds after round 1 (key setup)
+
+
+# -- polling: the same on every side ---------------------------------------------------------------
+def nebula_polling() -> dict[str, Any]:
+    """nebula-fl's own polling intervals, read from the code that sets them (so the legacy side follows
+    whatever nebula-fl does, not a number copied here).
+
+    `server_pull_s`: how often nebula-fl's ServerApp pulls replies: the `poll_interval` its `start` call
+    passes (nebula_fl/server/app.py) or else that parameter's default (NebulaStrategy.start). `stage_pull_s`:
+    the literal intervals the secure-aggregation stages pass to `exchange`. `superexec_task_poll_s`: what
+    the launcher's `child_env` gives every Flower process it starts (SUPEREXEC_POLL_S unless the
+    environment already sets FLWR_SUPEREXEC_TASK_POLL_INTERVAL).
+    """
+    default = inspect.signature(NebulaStrategy.start).parameters["poll_interval"].default
+    passed = _keyword_values(Path(server_app.__file__), "poll_interval", call="start")
+    if passed is None or any(isinstance(v, str) for v in passed) or len(set(passed)) > 1:
+        raise SystemExit(f"cannot read the poll_interval nebula-fl's ServerApp uses from {server_app.__file__} "
+                         f"(`.start(` calls pass {passed}); update nebula_polling() in {__file__}")
+    stage = _keyword_values(Path(secure_strategy.__file__), "poll_interval", call="exchange") or []
+    return {"server_pull_s": float(passed[0]) if passed else float(default),
+            "stage_pull_s": sorted({v if isinstance(v, str) else float(v) for v in stage}, key=str),
+            "superexec_task_poll_s": child_env(Path(os.devnull))[TASK_POLL_ENV],
+            "source": "NebulaStrategy.start(poll_interval) as nebula_fl/server/app.py calls it; "
+                      "nebula_fl/launcher/federation.py child_env (SUPEREXEC_POLL_S)"}
+
+
+def _keyword_values(path: Path, keyword: str, *, call: str) -> list[float | str] | None:
+    """The values of `keyword=` in every call of a function or method named `call` in one source file (a
+    value that is not a literal number as its source text): None if there is no such call at all."""
+    found: list[float | str] | None = None
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        if name != call:
+            continue
+        if found is None:
+            found = []
+        for kw in node.keywords:
+            if kw.arg == keyword:
+                try:
+                    found.append(float(ast.literal_eval(kw.value)))
+                except (ValueError, TypeError):
+                    found.append(ast.unparse(kw.value))
+    return found
+
+
+class SuperExecWatch:
+    """Reads FLWR_SUPEREXEC_TASK_POLL_INTERVAL from the environment of every `flower-superexec` this
+    benchmark's processes start (a background scan once a second), by the role of the process that
+    started it (`supernode` or `superlink`): what each side really ran with, not what it was told."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, set[str]] = {}
+        self._checked: set[tuple[int, float]] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="superexec-watch", daemon=True)
+
+    def __enter__(self) -> SuperExecWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self) -> dict[str, list[str]]:
+        return {role: sorted(values) for role, values in sorted(self.seen.items())}
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0):
+            self.scan()
+
+    def scan(self) -> None:
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                key = (proc.pid, proc.create_time())
+                if key in self._checked or not any(part.endswith("flower-superexec") for part in proc.cmdline()):
+                    continue
+                parent = proc.parent()
+                role = "supernode" if parent and any("flower-supernode" in p for p in parent.cmdline()) else "superlink"
+                value = proc.environ().get(TASK_POLL_ENV, f"unset (Flower's {FLOWER_DEFAULT_TASK_POLL})")
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            self._checked.add(key)
+            self.seen.setdefault(role, set()).add(value)
+
+
+def watched(run, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, list[str]]]:
+    """`run(*args, **kwargs)` with its SuperExecs watched: (its result, the intervals they ran with)."""
+    with SuperExecWatch() as watch:
+        result = run(*args, **kwargs)
+    return result, watch.report()
 
 
 # -- nebula-fl -------------------------------------------------------------------------------------
@@ -46,24 +167,33 @@ def nebula_args(args: argparse.Namespace, *, secure: bool) -> list[str]:
     return cmd + (["--secure-aggregation"] if secure else [])
 
 
-def run_nebula(name: str, *, secure: bool, args: argparse.Namespace, out: Path, console: Console) -> dict:
+def demo_args(args: argparse.Namespace, *, secure: bool) -> list[str]:
+    """The shipped demo as `nebula-fl run --preset demo` runs it, with a fixed seed and port 0; --quick
+    runs fewer rounds and leaves out the round-0 evaluation (before round 1: no round's time holds it)."""
+    cmd = ["--preset", "demo", "--rounds", str(args.demo_rounds), "--seed", str(args.seed), "--port", "0"]
+    if args.quick:
+        cmd += ["--run-config", "eval-initial=false"]
+    return cmd + (["--secure-aggregation"] if secure else [])
+
+
+def run_nebula(name: str, cmd: list[str], *, secure: bool, rounds: int, out: Path, console: Console) -> dict:
     folder = out / name
-    cmd = nebula_args(args, secure=secure)
     console.print(f"[bold]{name}[/bold]: nebula-fl run {shlex.join(cmd)}")
     started = time.monotonic()
-    _, lines = run_federation(cmd, folder=folder, log=folder.with_suffix(".log"))
-    if len(lines) != args.rounds:
-        raise SystemExit(f"{name} recorded {len(lines)} of {args.rounds} rounds; see {folder / 'metrics.jsonl'}")
-    rounds = []
+    (_, lines), superexec = watched(run_federation, cmd, folder=folder, log=folder.with_suffix(".log"))
+    if len(lines) != rounds:
+        raise SystemExit(f"{name} recorded {len(lines)} of {rounds} rounds; see {folder / 'metrics.jsonl'}")
+    rounds_out = []
     for line in lines:
         clusters = {k: {"bytes_up": c.get("bytes_up", 0), "bytes_down": c.get("bytes_down", 0)}
                     for k, c in line["clusters"].items()}
-        rounds.append({"round": line["round"], "seconds": line["seconds"], "accuracy": line.get("accuracy"),
-                       "clusters_aggregated": line.get("clusters_aggregated"), "skipped": line.get("skipped"),
-                       "secagg": line.get("secagg"), "clusters": clusters})
+        rounds_out.append({"round": line["round"], "seconds": line["seconds"], "accuracy": line.get("accuracy"),
+                           "clusters_aggregated": line.get("clusters_aggregated"), "skipped": line.get("skipped"),
+                           "secagg": line.get("secagg"), "clusters": clusters})
     console.print(f"  {name} done in {time.monotonic() - started:.0f} s")
     return {"name": name, "secure": secure, "folder": str(folder), "params": adapter_params(folder),
-            "round_seconds": [r["seconds"] for r in rounds], "rounds": rounds}
+            "round_seconds": [r["seconds"] for r in rounds_out], "rounds": rounds_out,
+            "wall_s": time.monotonic() - started, "superexec_task_poll_s": superexec}
 
 
 def adapter_params(folder: Path) -> int:
@@ -103,22 +233,85 @@ def goal(name: str, value: float | None) -> dict[str, Any]:
     return {"value": value, "goal": f"{op} {target}", "met": met}
 
 
-def analyse(plain: dict, secure: dict, legacy: dict | None, legacy_plain: dict | None, *, args, command: str,
-            notes: list[str]) -> dict:
+def stage_seconds(secure: dict) -> dict[str, Any]:
+    """The secure side's key setup (round 1 of a key epoch) and unmask seconds, as its rounds record them."""
     sec_rounds = [r.get("secagg") or {} for r in secure["rounds"]]
     setup = [s["setup_s"] for s in sec_rounds if "setup_s" in s]
     unmask = [s["unmask_s"] for s in sec_rounds if "unmask_s" in s]
+    return {"setup_s": statistics.median(setup) if setup else None,
+            "unmask_s": statistics.median(unmask) if unmask else None,
+            "setup_s_each": setup, "unmask_s_each": unmask}
+
+
+def nebula_side(side: dict) -> dict[str, Any]:
+    return {"median_round_s_2_to_R": after_first(side["round_seconds"]),
+            "median_round_s_all": statistics.median(side["round_seconds"]),
+            "first_round_s": side["round_seconds"][0],
+            "bytes_per_cluster_round_2_to_R": statistics.mean(cluster_round_bytes(side)),
+            "folder": side["folder"]}
+
+
+def demo_pair(plain: dict, secure: dict, *, quick: bool) -> dict[str, Any]:
+    """The demo's plain and secure runs: their ratio of rounds 2..R medians, and what it is made of."""
+    return {
+        "secure_over_plain": after_first(secure["round_seconds"]) / after_first(plain["round_seconds"]),
+        "bytes_secure_over_plain": (statistics.mean(cluster_round_bytes(secure))
+                                    / statistics.mean(cluster_round_bytes(plain))),
+        "rounds": len(plain["rounds"]), "clusters": len(plain["rounds"][0]["clusters"]), "params": secure["params"],
+        "command": "nebula-fl run --preset demo --rounds R --seed S --port 0 [--secure-aggregation]"
+                   + (" --run-config eval-initial=false (--quick)" if quick else ""),
+        "sides": {"nebula_plain": nebula_side(plain), "nebula_secure": nebula_side(secure)},
+        "round_seconds": {"nebula_plain": plain["round_seconds"], "nebula_secure": secure["round_seconds"]},
+        "accuracy": {"nebula_plain": [r["accuracy"] for r in plain["rounds"]],
+                     "nebula_secure": [r["accuracy"] for r in secure["rounds"]]},
+        "stage_seconds": stage_seconds(secure),
+        "wall_s": {"nebula_plain": plain["wall_s"], "nebula_secure": secure["wall_s"]},
+    }
+
+
+def polling_report(nebula: dict[str, Any], sides: dict[str, dict | None]) -> tuple[dict[str, Any], list[str]]:
+    """What each side polled at, as read back from its processes and records, and how it differs from
+    nebula-fl's own intervals (`nebula`, from nebula_polling): (a `polling` object per side, notes)."""
+    out: dict[str, Any] = {}
+    notes: list[str] = []
+    want_pull, want_task = nebula["server_pull_s"], nebula["superexec_task_poll_s"]
+    for key, side in sides.items():
+        if side is None:
+            continue
+        entry: dict[str, Any] = {"server_pull_s": want_pull, **SUPERNODE_FIXED}
+        seen = side["superexec_task_poll_s"]
+        entry["superexec_task_poll_s"] = seen
+        if not key.startswith("legacy"):
+            entry["server_pull_from"] = "nebula-fl's code (NebulaStrategy.start poll_interval, as the ServerApp calls it)"
+            if side["secure"]:
+                entry["stage_pull_s"] = nebula["stage_pull_s"]
+                if any(v != want_pull for v in nebula["stage_pull_s"]):
+                    notes.append(f"{key}: the secure stages pull at {nebula['stage_pull_s']}, the rounds at {want_pull} s")
+        else:
+            entry["server_pull_s"] = side["poll_s"]
+            entry["server_pull_from"] = "benchmarks/secagg_legacy_app.py CountingGrid (push, then pull every poll-s)"
+            entry["pulls"] = side["pulls"]
+            entry["measured_pull_interval_s"] = side["pull_interval_s"]
+            measured = side["pull_interval_s"]
+            if side["poll_s"] != want_pull:
+                notes.append(f"{key}: pulled every {side['poll_s']} s, nebula-fl every {want_pull} s")
+            elif measured is None or not want_pull <= measured <= want_pull + 0.15:
+                notes.append(f"{key}: told to pull every {want_pull} s, measured {measured} s between pulls")
+        if seen.get("supernode") != [want_task]:
+            notes.append(f"{key}: its SuperNodes' SuperExecs ran with {TASK_POLL_ENV} {seen.get('supernode')}, "
+                         f"nebula-fl's launcher sets {want_task}")
+        out[key] = entry
+    return out, notes
+
+
+def analyse(plain: dict, secure: dict, legacy: dict | None, legacy_plain: dict | None, *, demo: dict | None,
+            polling: dict[str, Any], args, command: str, notes: list[str]) -> dict:
     secure_over_plain = after_first(secure["round_seconds"]) / after_first(plain["round_seconds"])
     legacy_over_nebula = (after_first(legacy["round_seconds"]) / after_first(secure["round_seconds"])
                           if legacy else None)
     bytes_ratio = statistics.mean(cluster_round_bytes(secure)) / statistics.mean(cluster_round_bytes(plain))
-    sides: dict[str, Any] = {}
-    for key, side in (("nebula_plain", plain), ("nebula_secure", secure)):
-        sides[key] = {"median_round_s_2_to_R": after_first(side["round_seconds"]),
-                      "median_round_s_all": statistics.median(side["round_seconds"]),
-                      "first_round_s": side["round_seconds"][0],
-                      "bytes_per_cluster_round_2_to_R": statistics.mean(cluster_round_bytes(side)),
-                      "folder": side["folder"]}
+    demo_ratio = demo["secure_over_plain"] if demo else None
+    sides: dict[str, Any] = {"nebula_plain": nebula_side(plain), "nebula_secure": nebula_side(secure)}
     for key, side in (("legacy_secure", legacy), ("legacy_plain", legacy_plain)):
         if side:
             sides[key] = {"median_round_s_2_to_R": after_first(side["round_seconds"]),
@@ -128,34 +321,55 @@ def analyse(plain: dict, secure: dict, legacy: dict | None, legacy_plain: dict |
                           "bytes_down_per_client": side["bytes_down_per_client"],
                           "num_shares": side["num_shares"], "threshold": side["threshold"],
                           "max_abs_error": side["max_abs_error"], "folder": side["workdir"]}
+    for key, entry in sides.items():
+        entry["polling"] = polling.get("sides", {}).get(key)
+    for key, entry in (demo or {}).get("sides", {}).items():
+        entry["polling"] = polling.get("sides", {}).get(f"demo_{key}")
     return {
         "secure_over_plain": secure_over_plain,
         "legacy_over_nebula": legacy_over_nebula,
         "bytes_secure_over_plain": bytes_ratio,
+        "secure_over_plain_demo": demo_ratio,
         "clusters": args.clusters,
         "params": secure["params"],
-        "stage_seconds": {"setup_s": statistics.median(setup) if setup else None,
-                          "unmask_s": statistics.median(unmask) if unmask else None,
-                          "setup_s_each": setup, "unmask_s_each": unmask},
+        "stage_seconds": stage_seconds(secure),
         "rounds": args.rounds,
         "goals": {name: goal(name, value) for name, value in (("secure_over_plain", secure_over_plain),
                                                               ("legacy_over_nebula", legacy_over_nebula),
-                                                              ("bytes_secure_over_plain", bytes_ratio))},
+                                                              ("bytes_secure_over_plain", bytes_ratio),
+                                                              ("secure_over_plain_demo", demo_ratio))},
         "round_seconds": {"nebula_plain": plain["round_seconds"], "nebula_secure": secure["round_seconds"],
                           "legacy_secure": legacy["round_seconds"] if legacy else None,
                           "legacy_plain": legacy_plain["round_seconds"] if legacy_plain else None},
         "sides": sides,
+        "demo": demo,
+        "polling": polling,
         "settings": {"lora_r": args.lora_r, "max_examples": args.max_examples, "max_seq_len": args.max_seq_len,
                      "test_fraction": args.test_fraction, "seed": args.seed, "quick": args.quick,
-                     "local_steps": 1, "batch_size": 2, "codec": "none"},
+                     "local_steps": 1, "batch_size": 2, "codec": "none", "demo_rounds": args.demo_rounds},
         "notes": notes,
         "command": command,
     }
 
 
+def polling_caption(polling: dict[str, Any]) -> str:
+    """One sentence for the table: the intervals every side ran with (or that they differed)."""
+    per_side = polling["sides"]
+    pulls = {v["server_pull_s"] for v in per_side.values()}
+    tasks = {tuple(v["superexec_task_poll_s"].get("supernode", [])) for v in per_side.values()}
+    measured = [f"{k} measured {v['measured_pull_interval_s']:.3f} s between pulls"
+                for k, v in per_side.items() if v.get("measured_pull_interval_s") is not None]
+    same = "the same on every side" if polling["equal"] else "[red]NOT the same on every side (see notes)[/red]"
+    return (f"Polling, {same}: the ServerApp pulls replies every {'/'.join(map(str, sorted(pulls)))} s"
+            + (f" ({'; '.join(measured)})" if measured else "")
+            + f"; SuperExec task poll {'/'.join(','.join(t) or '?' for t in sorted(tasks))} s; flower-supernode's "
+            f"fixed {SUPERNODE_FIXED['supernode_idle_pull_s']:g} s idle pull and "
+            f"{SUPERNODE_FIXED['supernode_reply_poll_s']:g} s reply poll")
+
+
 def show(res: dict, console: Console) -> None:
     table = Table(title=f"Secure aggregation: {res['clusters']} clusters, {res['params']:,} parameters, "
-                        f"{res['rounds']} rounds")
+                        f"{res['rounds']} rounds", caption=polling_caption(res["polling"]))
     for col in ("side", "median round 2..R (s)", "median all (s)", "round 1 (s)", "bytes / cluster / round"):
         table.add_column(col, justify="left" if col == "side" else "right")
     for key, side in res["sides"].items():
@@ -165,7 +379,17 @@ def show(res: dict, console: Console) -> None:
             size = f"up {side['bytes_up_per_client'] or 0:,} / down {side['bytes_down_per_client'] or 0:,}"
         table.add_row(key, f"{side['median_round_s_2_to_R']:.2f}", f"{side['median_round_s_all']:.2f}",
                       f"{side['first_round_s']:.2f}", size)
+    demo = res["demo"]
+    if demo:
+        for key, side in demo["sides"].items():
+            table.add_row(f"demo {key}", f"{side['median_round_s_2_to_R']:.2f}", f"{side['median_round_s_all']:.2f}",
+                          f"{side['first_round_s']:.2f}", f"{side['bytes_per_cluster_round_2_to_R']:,.0f}")
     console.print(table)
+    if demo:
+        console.print(f"demo rows: `nebula-fl run --preset demo`, {demo['clusters']} clusters, {demo['params']:,} "
+                      f"parameters, {demo['rounds']} rounds (the demo's own {DEMO_ROUNDS}"
+                      + (f"; --quick runs {demo['rounds']} and skips the round-0 evaluation" if res['settings']['quick']
+                         else "") + ")")
     ratios = Table(title="Ratios and goals")
     for col in ("ratio", "value", "goal", ""):
         ratios.add_column(col)
@@ -175,6 +399,10 @@ def show(res: dict, console: Console) -> None:
     console.print(ratios)
     stage = res["stage_seconds"]
     console.print(f"nebula-fl secure stages: setup {_s(stage['setup_s'])}, unmask (median) {_s(stage['unmask_s'])}")
+    if demo:
+        stage = demo["stage_seconds"]
+        console.print(f"demo secure stages: setup {_s(stage['setup_s'])}, unmask (median) {_s(stage['unmask_s'])}; "
+                      f"bytes secure / plain {demo['bytes_secure_over_plain']:.3f}")
     for note in res["notes"]:
         console.print(f"[yellow]note:[/yellow] {note}")
 
@@ -186,8 +414,9 @@ def _s(value: float | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="3 rounds, fewer examples, no legacy plain side (< 10 min on 2 cores)")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds per side (default 4; --quick 3)")
+                        help=f"3 rounds, fewer examples, no legacy plain side, the demo pair in {DEMO_ROUNDS_QUICK} "
+                             "rounds without its round-0 evaluation (--no-demo: the 8-cluster sides only)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per 8-cluster side (default 4; --quick 3)")
     parser.add_argument("--clusters", type=int, default=8)
     parser.add_argument("--lora-r", type=int, default=108, help="LoRA rank: 108 gives ~1M adapter parameters")
     parser.add_argument("--max-examples", type=int, default=None, help="dataset cap (default 400; --quick 240)")
@@ -197,21 +426,30 @@ def main() -> None:
     parser.add_argument("--no-legacy-plain", action="store_true",
                         help="skip Flower's plain legacy round (--quick skips it anyway)")
     parser.add_argument("--legacy-timeout", type=float, default=1800.0, help="seconds for each legacy side")
+    parser.add_argument("--demo-rounds", type=int, default=None,
+                        help=f"rounds of each demo run (default the demo's {DEMO_ROUNDS}; --quick {DEMO_ROUNDS_QUICK})")
+    parser.add_argument("--no-demo", action="store_true", help="skip the demo pair (secure_over_plain_demo)")
     parser.add_argument("--out", default="benchmarks/results/secagg")
     args = parser.parse_args()
     args.rounds = args.rounds if args.rounds is not None else (3 if args.quick else 4)
     args.max_examples = args.max_examples if args.max_examples is not None else (240 if args.quick else 400)
     args.no_legacy_plain = args.no_legacy_plain or args.quick  # 80 s on 2 cores that --quick cannot spare
+    args.demo_rounds = args.demo_rounds or (DEMO_ROUNDS_QUICK if args.quick else DEMO_ROUNDS)
     if args.rounds < 2:
         parser.error(f"--rounds is {args.rounds}; use 2 or more (round 1 holds the key setup, rounds 2..R are compared)")
+    if args.demo_rounds < 2:
+        parser.error(f"--demo-rounds is {args.demo_rounds}; use 2 or more (round 1 holds the key setup)")
     if args.clusters < 3:
         parser.error(f"--clusters is {args.clusters}; use 3 or more (SecAgg+ needs 3 shares)")
     command = shlex.join([sys.executable, *sys.argv])
+    nebula = nebula_polling()
     out = fresh_out(args.out)
     console = Console()
     started = time.monotonic()
-    plain = run_nebula("nebula-plain", secure=False, args=args, out=out, console=console)
-    secure = run_nebula("nebula-secure", secure=True, args=args, out=out, console=console)
+    plain = run_nebula("nebula-plain", nebula_args(args, secure=False), secure=False, rounds=args.rounds, out=out,
+                       console=console)
+    secure = run_nebula("nebula-secure", nebula_args(args, secure=True), secure=True, rounds=args.rounds, out=out,
+                        console=console)
     notes = problems(plain, args.clusters) + problems(secure, args.clusters)
     if plain["params"] != secure["params"]:
         notes.append(f"adapter sizes differ: plain {plain['params']}, secure {secure['params']}")
@@ -220,19 +458,37 @@ def main() -> None:
         if name == "legacy-plain" and args.no_legacy_plain:
             continue
         console.print(f"[bold]{name}[/bold]: Flower legacy {'SecAgg+' if sec else 'FedAvg'}, {args.clusters} "
-                      f"clusters, {secure['params']:,} parameters, {args.rounds} rounds "
+                      f"clusters, {secure['params']:,} parameters, {args.rounds} rounds, pulls every "
+                      f"{nebula['server_pull_s']} s, SuperExec task poll {nebula['superexec_task_poll_s']} s "
                       f"({time.monotonic() - started:.0f} s so far)")
         t0 = time.monotonic()
         try:
-            legacy_sides[name] = run_legacy(clusters=args.clusters, params=secure["params"], rounds=args.rounds,
-                                            secure=sec, workdir=out / name, timeout_s=args.legacy_timeout)
+            side, superexec = watched(run_legacy, clusters=args.clusters, params=secure["params"], rounds=args.rounds,
+                                      secure=sec, workdir=out / name, timeout_s=args.legacy_timeout,
+                                      poll_s=nebula["server_pull_s"], superexec_poll_s=nebula["superexec_task_poll_s"])
         except RuntimeError as err:
             notes.append(f"{name} failed: {err}")
             console.print(f"[red]{name} failed:[/red] {err}")
             continue
+        legacy_sides[name] = {**side, "superexec_task_poll_s": superexec}
         console.print(f"  {name} done in {time.monotonic() - t0:.0f} s")
-    res = analyse(plain, secure, legacy_sides["legacy-secure"], legacy_sides["legacy-plain"], args=args,
-                  command=command, notes=notes)
+    demo = None
+    if not args.no_demo:
+        console.print(f"[bold]demo pair[/bold]: {args.demo_rounds} rounds each ({time.monotonic() - started:.0f} s so far)")
+        demo_plain = run_nebula("demo-plain", demo_args(args, secure=False), secure=False, rounds=args.demo_rounds,
+                                out=out, console=console)
+        demo_secure = run_nebula("demo-secure", demo_args(args, secure=True), secure=True, rounds=args.demo_rounds,
+                                 out=out, console=console)
+        demo = demo_pair(demo_plain, demo_secure, quick=args.quick)
+        notes += problems(demo_plain, demo["clusters"]) + problems(demo_secure, demo["clusters"])
+    by_side = {"nebula_plain": plain, "nebula_secure": secure, "legacy_secure": legacy_sides["legacy-secure"],
+               "legacy_plain": legacy_sides["legacy-plain"]}
+    if demo:
+        by_side |= {"demo_nebula_plain": demo_plain, "demo_nebula_secure": demo_secure}
+    per_side, polling_notes = polling_report(nebula, by_side)
+    polling = {"nebula_fl_code": nebula, "equal": not polling_notes, "sides": per_side}
+    res = analyse(plain, secure, legacy_sides["legacy-secure"], legacy_sides["legacy-plain"], demo=demo,
+                  polling=polling, args=args, command=command, notes=notes + polling_notes)
     res["wall_s"] = time.monotonic() - started
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     show(res, console)

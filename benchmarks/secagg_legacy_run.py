@@ -9,9 +9,11 @@ records, and stops every process it started, children included.
     .venv/bin/python benchmarks/secagg_legacy_run.py --clusters 3 --params 100000 --rounds 2 --plain
 
 Flower's fixed sleeps are part of what is measured: the ServerApp's grid pulls replies every 3 s (each
-SecAgg+ round is four exchanges, a plain round one; `--poll-s` pulls more often instead), an idle
-SuperNode asks for messages every 3 s, its SuperExec looks for a ClientApp to start every 1 s, and it
-polls for the ClientApp's reply every 0.5 s. Every message starts a new `flwr-clientapp` process.
+SecAgg+ round is four exchanges, a plain round one; `--poll-s` pulls that often instead, and the record
+says how many pulls each stage made and the median time between two), an idle SuperNode asks for
+messages every 3 s, its SuperExec looks for a ClientApp to start every FLWR_SUPEREXEC_TASK_POLL_INTERVAL
+seconds (nebula-fl's launcher value unless set; `--superexec-poll-s`), and it polls for the ClientApp's
+reply every 0.5 s. Every message starts a new `flwr-clientapp` process.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from nebula_fl.launcher.plan import free_port, port_free
 from nebula_fl.launcher.processes import ProcessSet
 
 APP = Path(__file__).resolve().parent / "secagg_legacy"
+TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
 
 
 def resolve_shares(clusters: int, num_shares: int | None, threshold: int | None) -> tuple[int, int]:
@@ -53,11 +56,13 @@ def resolve_shares(clusters: int, num_shares: int | None, threshold: int | None)
 
 def run_legacy(*, clusters: int, params: int, rounds: int, secure: bool, workdir: Path, num_shares: int | None = None,
                threshold: int | None = None, timeout_s: float = 900, poll_s: float | None = None,
-               count_bytes: bool = True) -> dict:
+               superexec_poll_s: str | None = None, count_bytes: bool = True) -> dict:
     """Run `rounds` rounds of Flower's legacy SecAgg+ (or, with `secure=False`, its plain FedAvg round) on
     real processes and return the measured round times and per-cluster bytes.
 
     `poll_s` None keeps Flower's own `send_and_receive` (a pull every 3 s); a number pulls that often.
+    `superexec_poll_s` sets FLWR_SUPEREXEC_TASK_POLL_INTERVAL for every Flower process started here (None:
+    what nebula-fl's launcher gives its own, `child_env`).
     Raises RuntimeError when a process dies, a round aggregates fewer than `clusters` updates, or
     `timeout_s` passes; the logs are in `workdir`.
     """
@@ -78,6 +83,8 @@ def run_legacy(*, clusters: int, params: int, rounds: int, secure: bool, workdir
     out_file.unlink(missing_ok=True)
     env = child_env(home)
     env["PYTHONPATH"] = f"{APP}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    if superexec_poll_s is not None:
+        env[TASK_POLL_ENV] = superexec_poll_s
     bindir = Path(sys.executable).parent
     procs = ProcessSet()
     record: dict = {}
@@ -125,7 +132,9 @@ def run_legacy(*, clusters: int, params: int, rounds: int, secure: bool, workdir
             time.sleep(0.5)
     finally:
         _stop_everything(procs, home)
-    return _result(record, clusters=clusters, params=params, secure=secure, workdir=workdir)
+    res = _result(record, clusters=clusters, params=params, secure=secure, workdir=workdir)
+    res["superexec_poll_s"] = env[TASK_POLL_ENV]
+    return res
 
 
 def _result(record: dict, *, clusters: int, params: int, secure: bool, workdir: Path) -> dict:
@@ -138,6 +147,8 @@ def _result(record: dict, *, clusters: int, params: int, secure: bool, workdir: 
     ups = [b for r in rounds if r["bytes_up"] for b in r["bytes_up"].values()]
     downs = [b for r in rounds if r["bytes_down"] for b in r["bytes_down"].values()]
     errors = [r["max_abs_error"] for r in rounds if r["max_abs_error"] is not None]
+    gaps = [s["pull_interval_s"] for r in rounds for s in r["stages"] if s.get("pull_interval_s") is not None]
+    pulls = [s["pulls"] for r in rounds for s in r["stages"] if s.get("pulls") is not None]
     return {
         "round_seconds": seconds,
         "median_round_s": statistics.median(seconds),
@@ -146,6 +157,8 @@ def _result(record: dict, *, clusters: int, params: int, secure: bool, workdir: 
         "clusters": clusters, "params": params, "secure": secure,
         "num_shares": record["num_shares"], "threshold": record["reconstruction_threshold"],
         "poll_s": record["poll_s"] or None,
+        "pulls": sum(pulls) if pulls else None,  # the ServerApp's own pulls (None with Flower's send_and_receive)
+        "pull_interval_s": statistics.median(gaps) if gaps else None,  # median over stages of their median gap
         "stage_seconds": [[s["seconds"] for s in r["stages"]] for r in rounds],
         "max_abs_error": max(errors) if errors else None,
         "rounds": rounds, "workdir": str(workdir),
@@ -211,13 +224,15 @@ def main() -> int:
     parser.add_argument("--num-shares", type=int, default=None, help="SecAgg+ graph degree (default: every cluster)")
     parser.add_argument("--threshold", type=int, default=None, help="reconstruction threshold (default: a majority)")
     parser.add_argument("--poll-s", type=float, default=None, help="pull replies this often, not every 3 s")
+    parser.add_argument("--superexec-poll-s", default=None,
+                        help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL (default: nebula-fl's launcher value)")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--workdir", default=None, help="logs and records (default: a new folder in /tmp)")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="secagg-legacy-"))
     res = run_legacy(clusters=args.clusters, params=args.params, rounds=args.rounds, secure=args.secure,
                      workdir=workdir, num_shares=args.num_shares, threshold=args.threshold,
-                     timeout_s=args.timeout, poll_s=args.poll_s)
+                     timeout_s=args.timeout, poll_s=args.poll_s, superexec_poll_s=args.superexec_poll_s)
     kind = f"SecAgg+ (shares {res['num_shares']}, threshold {res['threshold']})" if res["secure"] else "plain"
     table = Table(title=f"Flower legacy {kind}: {res['clusters']} clusters, {res['params']:,} float32 params"
                         + (f", pull every {res['poll_s']} s" if res["poll_s"] else ", Flower's 3 s pulls"))
@@ -232,6 +247,9 @@ def main() -> int:
     console = Console(highlight=False)
     console.print(table)
     console.print(f"median round: {res['median_round_s']:.2f} s; logs and rounds.json in {res['workdir']}")
+    if res["pulls"] is not None:
+        console.print(f"ServerApp pulls: {res['pulls']}, median {res['pull_interval_s']:.3f} s apart; "
+                      f"SuperExec task poll {res['superexec_poll_s']} s")
     return 0
 
 

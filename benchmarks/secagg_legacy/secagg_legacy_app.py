@@ -13,8 +13,10 @@ each cluster receives and sends, checks the aggregate against the mean it must e
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -76,8 +78,10 @@ def payload_bytes(message: Message) -> int:
 class CountingGrid:
     """The ServerApp's Grid, with each `send_and_receive` (one per SecAgg+ stage) timed and its bytes counted.
 
-    With `poll_s` > 0 it pushes and pulls itself, pulling every `poll_s` seconds instead of Flower's fixed 3 s.
-    The time spent counting bytes is kept apart, so the round time can leave it out.
+    With `poll_s` > 0 it pushes and pulls itself, pulling every `poll_s` seconds instead of Flower's fixed 3 s,
+    and records each stage's pulls and the median time between two pulls (the interval really kept: the
+    sleep plus one pull's round trip). The time spent counting bytes is kept apart, so the round time can
+    leave it out.
     """
 
     def __init__(self, grid: Grid, *, poll_s: float, count_bytes: bool) -> None:
@@ -94,19 +98,24 @@ class CountingGrid:
         messages = list(messages)
         down = self._sizes(messages, lambda m: m.metadata.dst_node_id)
         started = time.perf_counter()
-        replies = list(self._exchange(messages, timeout) if self.poll_s > 0 else
+        pulls: list[float] = []  # when each pull started (only our own loop's; Flower's are not seen)
+        replies = list(self._exchange(messages, timeout, pulls) if self.poll_s > 0 else
                        self._grid.send_and_receive(messages, timeout=timeout))
         seconds = time.perf_counter() - started
         up = self._sizes([r for r in replies if not r.has_error()], lambda m: m.metadata.src_node_id)
+        gaps = [b - a for a, b in itertools.pairwise(pulls)]
         self.stages.append({"seconds": seconds, "bytes_down": down, "bytes_up": up,
-                            "errors": sum(r.has_error() for r in replies)})
+                            "errors": sum(r.has_error() for r in replies),
+                            "pulls": len(pulls) if self.poll_s > 0 else None,
+                            "pull_interval_s": statistics.median(gaps) if gaps else None})
         return replies
 
-    def _exchange(self, messages: list[Message], timeout: float | None) -> list[Message]:
+    def _exchange(self, messages: list[Message], timeout: float | None, pulls: list[float]) -> list[Message]:
         pending = set(self._grid.push_messages(messages))
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: list[Message] = []
         while pending and (deadline is None or time.monotonic() < deadline):
+            pulls.append(time.perf_counter())
             got = list(self._grid.pull_messages(pending))
             replies.extend(got)
             pending.difference_update(m.metadata.reply_to_message_id for m in got)
