@@ -8,8 +8,8 @@ config that does not round-trip, a layout whose size is not the product of its s
 from Hypothesis under a fixed seed, so a run is reproducible; each target mixes random input with
 valid input damaged in targeted ways (truncated, bytes flipped, lengths and JSON fields changed).
 
-    .venv/bin/python benchmarks/fuzz.py            # 22,000 inputs, ~3 min on 2 cores
-    .venv/bin/python benchmarks/fuzz.py --quick    # 1,100 inputs, ~10 s
+    .venv/bin/python benchmarks/fuzz.py            # 28,000 inputs, ~4 min on 2 cores
+    .venv/bin/python benchmarks/fuzz.py --quick    # 1,400 inputs, ~15 s
     .venv/bin/python benchmarks/fuzz.py --only codec-blob,trainer-frame --seed 3
 
 Prints a table and the first crashes, writes results.json (default benchmarks/results/fuzz/), and
@@ -19,7 +19,9 @@ exits 0 even when it found crashes: it is a report; tests/test_fuzz.py runs a sh
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -799,6 +801,282 @@ def check_admission(case: Case, admission: Any) -> str | None:
     return None
 
 
+# -- secure aggregation: the cluster's stage, and the server's reading of replies ------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+SECAGG_T = 3  # 4 clusters, threshold 3, the complete graph: every cluster holds every other's shares
+
+
+@cache
+def secagg_epoch(workdir: str):
+    """A key epoch over 4 real cluster stages, round 1 masked (tests/secagg_adversary.py): every case starts a
+    stage from its state just after that upload."""
+    sys.path.insert(0, str(REPO))
+    from tests.secagg_adversary import Epoch
+
+    return Epoch(Path(workdir) / "secagg", n=4, threshold=SECAGG_T)
+
+
+def _secagg_views(ids: list[str]) -> list[frozenset[str]]:
+    return [frozenset(v) for k in range(1, len(ids)) for v in itertools.combinations(ids, k)]
+
+
+def _unmask_request(ep: Any, holder: str, survivors: frozenset[str]) -> dict[str, Any]:
+    """The request an honest server sends: every receipt (nobody dropped), or every survivor's signature."""
+    request = {**ep.base(survivors), **ep.forwarded(holder, survivors), "stage": "unmask"}
+    if survivors == frozenset(ep.ids):
+        request["receipts"] = json.dumps(ep.receipts)
+    else:
+        request["signatures"] = json.dumps({m: ep.signature(m, survivors) for m in survivors})
+    return request
+
+
+def _mutate_value(draw: Callable, value: Any) -> tuple[Any, str]:
+    """A hostile version of one field: wild JSON, a string with a flipped character, a list changed."""
+    how = draw(st.sampled_from(["wild", "flip", "list"]))
+    if how == "flip" and isinstance(value, str) and value:
+        i = draw(st.integers(0, len(value) - 1))
+        return value[:i] + draw(st.sampled_from(["A", "/", "=", "%", "\x00", ""])) + value[i + 1:], "flipped a character"
+    if how == "list" and isinstance(value, list):
+        choice = draw(st.sampled_from(["drop", "dup", "add", "reverse"]))
+        if choice == "drop" and value:
+            return value[1:], "dropped a list item"
+        if choice == "dup" and value:
+            return [*value, value[0]], "duplicated a list item"
+        if choice == "reverse":
+            return list(reversed(value)), "reversed a list"
+        return [*value, draw(WILD_JSON)], "added a wild list item"
+    return draw(WILD_JSON), "wild value"
+
+
+@st.composite
+def secagg_stage_cases(draw: Callable, workdir: Path) -> Case:
+    ep = secagg_epoch(str(workdir))
+    holder = draw(st.sampled_from(ep.ids))
+    view = draw(st.sampled_from([frozenset(ep.ids), *[v for v in _secagg_views(ep.ids) if holder in v]]))
+    stage = draw(st.sampled_from(["keys", "share", "view", "unmask", "recover", "train"]))
+    prefix: list[dict[str, Any]] = []
+    if stage == "keys":
+        request = {"stage": "keys", "federation-id": "fed1", "epoch": draw(st.sampled_from(["epoch-1", "epoch-2"]))}
+    elif stage == "share":
+        request = dict(ep.share_request)
+    elif stage == "view":
+        request = {**ep.base(view), "stage": "view"}
+    elif stage == "unmask":
+        request = _unmask_request(ep, holder, view)
+        if draw(st.booleans()):  # sign some view first: the unmask must then be of that view
+            prefix.append({**ep.base(draw(st.sampled_from([v for v in _secagg_views(ep.ids) if holder in v]))),
+                           "stage": "view"})
+    elif stage == "recover":
+        prefix = [{**ep.base(view), "stage": "view"}, _unmask_request(ep, holder, view)]
+        request = {"federation-id": "fed1", "epoch": "epoch-1", "stage": "recover", "round": 1,
+                   "clusters": sorted(set(ep.ids) - view)}
+    else:
+        request = {**ep.train_config(holder), "server-round": draw(st.sampled_from([1, 2]))}
+    how = "valid"
+    for _ in range(draw(st.sampled_from([0, 0, 1, 1, 2, 3] if stage != "train" else [1, 2]))):
+        key = draw(st.sampled_from(sorted(request)))
+        if draw(st.integers(0, 4)) == 0:
+            request.pop(key)
+            how = f"dropped '{key}'"
+        else:
+            request[key], change = _mutate_value(draw, request[key])
+            how = f"{change} in '{key}'"
+    if draw(st.integers(0, 9)) == 0:
+        request, how = draw(st.dictionaries(st.text(max_size=12), WILD_JSON, max_size=6)), "wild request"
+    return Case(f"{stage}: {how}", {"holder": holder, "request": request, "prefix": prefix, "_workdir": str(workdir)})
+
+
+def secagg_stage_call(case: Case) -> Any:
+    from nebula_fl.clients.secagg_stage import SecAggRefusal
+
+    ep = secagg_epoch(case.args["_workdir"])
+    stage = ep.fresh(case.args["holder"])
+    accepted = []
+    for earlier in case.args["prefix"]:
+        try:
+            stage.handle(json.loads(json.dumps(earlier)))
+            accepted.append(earlier)
+        except SecAggRefusal:
+            pass
+    request = case.args["request"]
+    if request.get("stage") is None and "secagg-epoch" in request:
+        return "train", stage.prepare(request), accepted
+    return request.get("stage"), stage.handle(request), accepted
+
+
+def _b64_equal(a: Any, b: str) -> bool:
+    try:
+        return isinstance(a, str) and base64.b64decode(a, validate=True) == base64.b64decode(b)
+    except ValueError:
+        return False
+
+
+def _rules_view(request: dict[str, Any], *, ids: list[str], holder: str) -> tuple[set[str], set[str]] | None:
+    """(survivors, dropped) if the request's view is one the rules let a holder act on, else None."""
+    s, d = request.get("survivors"), request.get("dropped", [])
+    if not (isinstance(s, list) and isinstance(d, list) and all(isinstance(x, str) for x in s + d)):
+        return None
+    survivors, dropped = set(s), set(d)
+    if (len(survivors) != len(s) or len(dropped) != len(d) or survivors & dropped or survivors | dropped != set(ids)
+            or holder not in survivors or len(survivors) < SECAGG_T):
+        return None
+    return survivors, dropped
+
+
+def check_secagg_stage(case: Case, result: Any) -> str | None:
+    """Reveals only what reveal.py's rules allow, checked against the genuine receipts and signatures (not the
+    stage's own checks): a certified view, one per round, shares of its survivors, pair keys of its dropouts."""
+    ep, holder, request = secagg_epoch(case.args["_workdir"]), case.args["holder"], case.args["request"]
+    kind, reply, accepted = result
+    views = [_rules_view(r, ids=ep.ids, holder=holder) for r in accepted if r.get("stage") in ("view", "unmask")]
+    if kind == "train":
+        if reply.server_round == 1:
+            return "round 1 was masked already and was prepared again"
+        if holder not in reply.round_set or not set(reply.round_set) <= set(ep.ids):
+            return f"prepared a round set {reply.round_set} without the holder or outside the epoch"
+        return None
+    if kind == "share" and {k: request.get(k) for k in ep.share_request} != ep.share_request:
+        return "accepted a changed share request for an epoch already set up"
+    if kind in ("view", "unmask"):
+        view = _rules_view(request, ids=ep.ids, holder=holder)
+        if view is None:
+            return f"acted on a view the rules forbid ({request.get('survivors')!r} / {request.get('dropped')!r})"
+        if any(v is not None and v != view for v in views):
+            return "acted on a second view of the round"
+    if kind == "unmask":
+        survivors, dropped = view
+        if not dropped:
+            receipts = evidence_json(request.get("receipts"))
+            if any(receipts.get(m) != ep.receipts[m] for m in ep.ids):
+                return "unmasked the full view without every genuine receipt"
+        else:
+            sigs = evidence_json(request.get("signatures"))
+            genuine = [m for m in survivors if _b64_equal(sigs.get(m), ep.signature(m, frozenset(survivors)) or "")]
+            if len(genuine) < SECAGG_T:
+                return f"unmasked a dropout view with {len(genuine)} genuine signatures"
+        if not set(reply["self-from"]) <= survivors or not set(reply["pair-with"]) <= dropped:
+            return f"revealed shares of {reply['self-from']} and pair keys with {reply['pair-with']} under {view}"
+    if kind == "recover" and reply["key-from"]:
+        unmasked = [_rules_view(r, ids=ep.ids, holder=holder) for r in accepted if r.get("stage") == "unmask"]
+        if not unmasked or not set(reply["key-from"]) <= unmasked[-1][1]:
+            return f"gave key shares of {reply['key-from']} without having unmasked a view in which they dropped"
+    return None
+
+
+def evidence_json(value: Any) -> dict[str, Any]:
+    try:
+        data = json.loads(value) if isinstance(value, str) else {}
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@cache
+def secagg_genuine_replies(workdir: str) -> dict[str, Any]:
+    """The honest unmask replies of the full view, and of the view in which cluster 3 dropped (with the recover
+    replies for 3's key), with what they must rebuild."""
+    ep = secagg_epoch(workdir)
+    everyone, three = frozenset(ep.ids), frozenset(ep.ids[:3])
+    full = {h: ep.fresh(h).handle(_unmask_request(ep, h, everyone)) for h in ep.ids}
+    seeds = {c: read(full, ep, survivors=ep.ids, dropped=[]).seeds[c] for c in ep.ids}
+    dropout, recover = {}, {}
+    for h in three:
+        stage = ep.fresh(h)
+        stage.handle({**ep.base(three), "stage": "view"})
+        dropout[h] = stage.handle(_unmask_request(ep, h, three))
+        recover[h] = stage.handle({"federation-id": "fed1", "epoch": "epoch-1", "stage": "recover", "round": 1,
+                                   "clusters": ["3"]})
+    pairs = read(dropout, ep, survivors=list(three), dropped=["3"]).pair_keys
+    key = ep.snapshot["3"]["fed1"]["epochs"]["epoch-1"]["s_sk"].encode()
+    return {"full": full, "seeds": seeds, "dropout": dropout, "pairs": pairs, "recover": recover, "key": key}
+
+
+def read(replies: dict[str, Any], ep: Any, *, survivors: list[str], dropped: list[str]) -> Any:
+    from nebula_fl.secagg.replies import read_unmask
+
+    return read_unmask(replies, survivors=survivors, dropped=dropped, neighbours=ep.neighbours, threshold=SECAGG_T,
+                       commits={c: h["commit"] for c, (_, h) in ep.uploads.items()})
+
+
+@st.composite
+def secagg_reply_cases(draw: Callable, workdir: Path) -> Case:
+    genuine = secagg_genuine_replies(str(workdir))
+    which = draw(st.sampled_from(["full", "dropout", "recover"]))
+    replies = json.loads(json.dumps(genuine[which]))
+    hows = []
+    for _ in range(draw(st.integers(1, 3))):
+        holder = draw(st.sampled_from(sorted(replies)))
+        reply = replies[holder]
+        choice = draw(st.integers(0, 9))
+        if not isinstance(reply, dict):  # replaced wholesale already
+            continue
+        if choice == 0:
+            replies[holder], how = draw(WILD_JSON), "wild reply"
+        elif choice == 1 and reply:
+            key = draw(st.sampled_from(sorted(reply)))
+            reply.pop(key)
+            how = f"dropped '{key}'"
+        elif choice <= 4 and reply:  # a share, key or name of the reply replaced by a plausible lie
+            key = draw(st.sampled_from([k for k in sorted(reply) if isinstance(reply[k], list) and reply[k]] or [None]))
+            if key is None:
+                continue
+            i = draw(st.integers(0, len(reply[key]) - 1))
+            item = reply[key][i]
+            if isinstance(item, str) and key in ("self-shares", "pair-keys", "key-shares"):
+                raw = bytearray(base64.b64decode(item))
+                kind = draw(st.sampled_from(["flip", "truncate", "random", "extend"]))
+                if kind == "flip" and raw:
+                    raw[draw(st.integers(0, len(raw) - 1))] ^= draw(st.integers(1, 255))
+                elif kind == "truncate":
+                    raw = raw[: draw(st.integers(0, max(0, len(raw) - 1)))]
+                elif kind == "random":
+                    raw = bytearray(np.random.default_rng(draw(st.integers(0, 2**31))).bytes(len(raw)))
+                else:
+                    raw += b"\x00" * draw(st.integers(1, 40))
+                reply[key][i] = base64.b64encode(bytes(raw)).decode()
+                how = f"{kind} of an item of '{key}'"
+            else:
+                reply[key][i], how = _mutate_value(draw, item)
+                how = f"{how} in '{key}'"
+        elif reply:
+            key = draw(st.sampled_from(sorted(reply)))
+            reply[key], how = _mutate_value(draw, reply[key])
+            how = f"{how} in '{key}'"
+        else:
+            continue
+        hows.append(f"{holder}: {how}")
+    return Case(f"{which}: {'; '.join(hows) or 'valid'}", {"which": which, "replies": replies, "_workdir": str(workdir)})
+
+
+def secagg_reply_call(case: Case) -> Any:
+    from nebula_fl.secagg.replies import read_recover
+
+    ep = secagg_epoch(case.args["_workdir"])
+    replies, which = case.args["replies"], case.args["which"]
+    if which == "full":
+        return read(replies, ep, survivors=ep.ids, dropped=[])
+    if which == "dropout":
+        return read(replies, ep, survivors=ep.ids[:3], dropped=["3"])
+    s_pk = ep.keys["3"]["s-pk"].encode()
+    return read_recover(replies, asked={h: {"3"} for h in ep.ids[:3]}, threshold=SECAGG_T, public_keys={"3": s_pk})
+
+
+def check_secagg_replies(case: Case, result: Any) -> str | None:
+    """Whatever the replies say, what the server takes from them is the genuine secret or nothing."""
+    genuine = secagg_genuine_replies(case.args["_workdir"])
+    which = case.args["which"]
+    if which == "recover":
+        keys, _bad = result
+        return None if keys.get("3") == genuine["key"] else "rebuilt a mask key that is not cluster 3's"
+    wrong = [c for c, seed in result.seeds.items() if seed != genuine["seeds"][c]]
+    if wrong:
+        return f"rebuilt self-mask seeds of {wrong} that are not theirs"
+    if which == "dropout" and any(result.pair_keys[k] != genuine["pairs"][k] for k in result.pair_keys):
+        return "took a pair key that is not the pair's"
+    return None
+
+
 # -- targets and the runner --------------------------------------------------------------------------
 
 
@@ -811,6 +1089,18 @@ class Target:
     call: Callable[[Case], Any]
     check: Callable[[Case, Any], str | None]
     full: int  # inputs in a full run; --quick runs a twentieth
+
+
+def _secagg_refusal() -> type[BaseException]:
+    from nebula_fl.clients.secagg_stage import SecAggRefusal
+
+    return SecAggRefusal
+
+
+def _share_error() -> type[BaseException]:
+    from nebula_fl.secagg.shares import ShareError
+
+    return ShareError
 
 
 def make_targets(workdir: Path) -> dict[str, Target]:
@@ -832,6 +1122,10 @@ def make_targets(workdir: Path) -> dict[str, Target]:
                check_layout, 2000),
         Target("privacy-request", "PrivacyGate.admit(config, world=)", (Refused,), privacy_request_cases(workdir),
                admit_request, check_admission, 2000),
+        Target("secagg-stage", "SecAggStage.handle(request) / .prepare(config)", (_secagg_refusal(),),
+               secagg_stage_cases(workdir), secagg_stage_call, check_secagg_stage, 3000),
+        Target("secagg-replies", "secagg.replies.read_unmask / read_recover(replies)", (_share_error(),),
+               secagg_reply_cases(workdir), secagg_reply_call, check_secagg_replies, 3000),
     ]
     return {t.name: t for t in targets}
 
@@ -928,7 +1222,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a twentieth of the inputs (1,100)")
+    parser.add_argument("--quick", action="store_true", help="a twentieth of the inputs (1,400)")
     parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed of every target (default 0)")
     parser.add_argument("--only", help="comma-separated target names")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="results.json path")

@@ -32,7 +32,8 @@ class FakeCluster:
     drop_after_upload: set[int] = field(default_factory=set)  # rounds it uploads, then goes silent
     silent_stages: set[str] = field(default_factory=set)  # setup / unmask stages it never answers
     log: list[str] = field(default_factory=list)
-    tamper: Any = None  # a function (stage, request) -> request, to corrupt what it is sent
+    tamper: Any = None  # a function (cluster, request) -> request, to corrupt what it is sent
+    tamper_reply: Any = None  # a function (cluster, request, reply) -> reply, to corrupt what it answers
 
     def answer(self, msg: Message, layout: Layout) -> Message | None:
         kind = msg.metadata.message_type
@@ -56,6 +57,8 @@ class FakeCluster:
         except SecAggRefusal as err:
             self.log.append(str(err))
             return _error(msg, str(err))
+        if self.tamper_reply is not None:
+            reply = self.tamper_reply(self, request, dict(reply))
         return Message(RecordDict({"secagg": ConfigRecord(reply)}), reply_to=msg)
 
     def _train(self, msg: Message, cfg: dict[str, Any], layout: Layout) -> Message:

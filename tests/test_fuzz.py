@@ -23,7 +23,7 @@ def _load_fuzz():
 
 fuzz = _load_fuzz()
 EXAMPLES = {"codec-blob": 300, "config-flat": 200, "config-text": 200, "trainer-frame": 200, "checkpoint": 80,
-            "uplink-arrays": 120, "layout-json": 200, "privacy-request": 150}
+            "uplink-arrays": 120, "layout-json": 200, "privacy-request": 150, "secagg-stage": 300, "secagg-replies": 150}
 
 
 def test_every_target_is_covered(tmp_path):

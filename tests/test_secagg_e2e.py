@@ -58,3 +58,26 @@ def test_secure_aggregation_with_client_level_dp_splits_the_noise_into_threshold
         assert [e["noise_multiplier"] for e in ledger] == [0.5, 0.5, 0.5] and {e["mode"] for e in ledger} == {"client"}
     log = (out / "logs").glob("trainer-*.log")
     assert any("unmask answered" in p.read_text() for p in log)
+
+
+def test_a_cluster_that_requires_secure_aggregation_refuses_a_plain_round_and_a_weak_one(tiny_model, run_cli, tmp_path):
+    """The operator's demand, on real processes: cluster 1 refuses an unmasked update, cluster 2 a sum of fewer
+    clusters than its policy allows; each refusal is the cluster's own policy and reaches the run's summary."""
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "mask.json").write_text(json.dumps({"require_secure_aggregation": True}))
+    (policies / "three.json").write_text(json.dumps({"require_secure_aggregation": True, "min_secagg_threshold": 3}))
+    plain, weak = tmp_path / "plain", tmp_path / "weak"
+    a = run_cli(*smoke_args(tiny_model, plain, "--cluster-policy", f"1={policies / 'mask.json'}"), name="plain")
+    b = run_cli(*smoke_args(tiny_model, weak, "--clusters", "3", "--secure-aggregation",
+                            "--cluster-policy", f"2={policies / 'three.json'}"), name="weak")
+    assert a.wait(400) == 0, a.output()[-3000:]
+    assert b.wait(400) == 0, b.output()[-3000:]
+    (ps, _), (ws, lines) = records(plain), records(weak)
+    refused = ps["privacy"]["clusters"]["1"]
+    assert refused["refusal"] == "policy" and "requires secure aggregation" in refused["reason"]
+    refused = ws["privacy"]["clusters"]["2"]
+    assert refused["refusal"] == "policy" and "sums of 2 clusters" in refused["reason"] and "at least 3" in refused["reason"]
+    assert ws["status"] == "completed" and lines[0]["secagg"]["dropped"] == ["2"]  # round 1 went on without it
+    peers = (weak / "clusters" / "peers.txt").read_text().split("\n")
+    assert [line.split()[0] for line in peers if line and not line.startswith("#")] == ["0", "1", "2"]

@@ -4,6 +4,7 @@ cluster's own update: the server must end with exactly the weighted mean of the 
 
 from __future__ import annotations
 
+import base64
 import math
 
 import numpy as np
@@ -77,6 +78,86 @@ def test_clusters_that_drop_before_uploading_leave_the_sum_of_the_others(tmp_pat
     assert not wrapper.rekey, "a survivor revealed only that round's pair keys: no key was rebuilt"
 
 
+def stages_sent(grid, stage):
+    return [m for m in grid.sent if m.metadata.message_type == "query.secagg"
+            and dict(m.content.config_records["secagg"]).get("stage") == stage]
+
+
+def test_a_round_without_dropouts_costs_one_unmask_trip_and_a_round_with_them_one_more(tmp_path):
+    wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=5, shapes=SHAPES, cfg=fast())
+    check_round(wrapper, clusters, grid, layout, initial, 1, "none", set(range(5)))
+    assert len(stages_sent(grid, "unmask")) == 5 and not stages_sent(grid, "view")
+    clusters[4].drop_before_upload.add(2)
+    check_round(wrapper, clusters, grid, layout, initial, 2, "none", {0, 1, 2, 3})
+    assert len(stages_sent(grid, "unmask")) == 9 and len(stages_sent(grid, "view")) == 4
+    assert wrapper.report["signed_view"] == 4
+
+
+@pytest.mark.parametrize(("n", "threshold"), [(5, 3), (8, 5)])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_one_and_n_minus_t_dropouts_still_close_the_round_with_the_right_sum(tmp_path, n, threshold, when):
+    for drops in (1, n - threshold):
+        wrapper, clusters, grid, layout, initial = make_federation(tmp_path / f"{drops}", n=n, shapes=SHAPES,
+                                                                   cfg=fast())
+        assert wrapper.cfg.threshold_for(n) == threshold
+        check_round(wrapper, clusters, grid, layout, initial, 1, "none", set(range(n)))
+        for c in clusters[:drops]:
+            (c.drop_before_upload if when == "before" else c.drop_after_upload).add(2)
+        uploaders = set(range(drops, n)) if when == "before" else set(range(n))
+        check_round(wrapper, clusters, grid, layout, initial, 2, "none", uploaders)
+
+
+def _garble(kind):
+    """A hostile unmask reply of one holder: what a faulty or lying cluster (or a tampering network) might send."""
+    def change(cluster, request, reply):
+        if request.get("stage") != "unmask":
+            return reply
+        shares = list(reply["self-shares"])
+        if kind == "bad base64":
+            shares[0] = "%%not base64%%"
+        elif kind == "wrong length":
+            shares[0] = base64.b64encode(base64.b64decode(shares[0])[:-3]).decode()
+        elif kind == "wrong share":
+            raw = bytearray(base64.b64decode(shares[-1]))
+            raw[-1] ^= 0x5A
+            shares[-1] = base64.b64encode(bytes(raw)).decode()
+        elif kind == "a share it does not hold":
+            return {**reply, "self-from": [*reply["self-from"], "99"], "self-shares": [*shares, shares[0]]}
+        elif kind == "lists out of line":
+            shares = shares[:-1]
+        elif kind == "not lists":
+            return {**reply, "self-from": "0,1,2"}
+        return {**reply, "self-shares": shares}
+    return change
+
+
+@pytest.mark.parametrize("kind", ["bad base64", "wrong length", "wrong share", "a share it does not hold",
+                                  "lists out of line", "not lists"])
+def test_a_malformed_or_lying_unmask_reply_drops_its_holder_and_the_round_closes(tmp_path, kind):
+    wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=5, shapes=SHAPES, cfg=fast())
+    clusters[2].tamper_reply = _garble(kind)
+    check_round(wrapper, clusters, grid, layout, initial, 1, "none", set(range(5)))
+    assert list(wrapper.report["bad_replies"]) == ["2"], wrapper.report
+
+
+def test_a_lying_recover_reply_is_caught_and_the_key_rebuilt_from_the_others(tmp_path):
+    # 8 clusters, threshold 5: 0 never uploads, 1 uploads and vanishes, so 6 holders can give 0's key shares
+    wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=8, shapes=SHAPES, cfg=fast())
+    clusters[0].drop_before_upload.add(1)
+    clusters[1].drop_after_upload.add(1)
+
+    def lie(cluster, request, reply):
+        if request.get("stage") == "recover" and reply.get("key-shares"):
+            raw = bytearray(base64.b64decode(reply["key-shares"][0]))
+            raw[10] ^= 1
+            return {**reply, "key-shares": [base64.b64encode(bytes(raw)).decode(), *reply["key-shares"][1:]]}
+        return reply
+
+    clusters[3].tamper_reply = lie
+    check_round(wrapper, clusters, grid, layout, initial, 1, "none", set(range(1, 8)))
+    assert wrapper.report["recovered"] == ["0"] and list(wrapper.report["bad_replies"]) == ["3"]
+
+
 @pytest.mark.parametrize("drops", [1, 2])
 def test_clusters_that_drop_after_uploading_still_count(tmp_path, drops):
     wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=5, shapes=SHAPES, cfg=fast())
@@ -135,7 +216,7 @@ def test_a_key_is_never_rebuilt_once_a_self_mask_share_of_it_was_revealed(tmp_pa
     clusters[0].drop_before_upload.add(2)
     clusters[1].drop_after_upload.add(2)
     (arrays, _), _ = run_round(wrapper, grid, 2, initial)
-    assert arrays is None and "key secret of dropped cluster 0 cannot be rebuilt" in wrapper.report["aborted"]
+    assert arrays is None and "the mask key of dropped cluster 0: 0 share(s)" in wrapper.report["aborted"]
     assert any("self-mask share of cluster(s) ['0'] was revealed" in line for c in clusters for line in c.log)
     check_round(wrapper, clusters, grid, layout, initial, 3, "none", set(range(5)))
 

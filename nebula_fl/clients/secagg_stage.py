@@ -19,6 +19,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from nebula_fl.clients.reply_cache import FEDERATION_ID
 from nebula_fl.errors import NebulaError
 from nebula_fl.secagg import evidence, field, graph, shares
 from nebula_fl.secagg.field import FieldCode, FieldError
@@ -36,6 +38,7 @@ from nebula_fl.secagg.reveal import RevealLog, refuse_recover, refuse_unmask, re
 from nebula_fl.secagg.shares import KeyPair, ShareError
 from nebula_fl.secagg.wire import commitment, digest, pack_upload
 
+EPOCH_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 KEPT_EPOCHS = 2
 KEPT_ROUNDS = 8
 STATE_VERSION = 2  # state of an older layout is set aside: its epochs are unknown, so the server re-keys
@@ -86,6 +89,13 @@ def _members(value: Any, what: str) -> set[str]:
     return set(value)
 
 
+def _check_ids(federation: Any, epoch: Any) -> None:
+    if not isinstance(federation, str) or not FEDERATION_ID.fullmatch(federation):
+        raise SecAggRefusal(f"federation id {federation!r} is not a plain name of letters, digits, '-' and '_'")
+    if not isinstance(epoch, str) or not EPOCH_ID.fullmatch(epoch):
+        raise SecAggRefusal(f"epoch {epoch!r} is not an epoch id (1 to 64 letters, digits, '-' and '_')")
+
+
 def _round_number(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SecAggRefusal(f"round {value!r} is not a round number")
@@ -131,8 +141,12 @@ class SecAggStage:
         if "secagg-epoch" not in config:
             return ("this cluster's policy requires secure aggregation and the server asks for an unmasked update; "
                     "run the federation with --secure-aggregation (secagg.enabled=true)")
+        try:
+            _check_ids(config.get("federation-id"), config.get("secagg-epoch"))
+        except SecAggRefusal:
+            return None  # not a round at all: prepare() refuses it
         with self.lock:
-            e = self._state(str(config.get("federation-id")))["epochs"].get(str(config.get("secagg-epoch")), {})
+            e = self._state(config["federation-id"])["epochs"].get(config["secagg-epoch"], {})
         threshold, round_set = e.get("threshold"), config.get("secagg-round-set")
         if isinstance(threshold, int) and threshold < need.min_threshold:
             return (f"the server's secure aggregation unmasks sums of {threshold} clusters; this cluster's policy "
@@ -153,6 +167,7 @@ class SecAggStage:
         return self.folder / f"{federation}.json"
 
     def _state(self, federation: str) -> dict[str, Any]:
+        _check_ids(federation, "-")  # it names this cluster's state file: never let the server pick a path
         if federation not in self.states:
             path = self._path(federation)
             state = json.loads(path.read_text()) if path.exists() else {}
@@ -201,11 +216,10 @@ class SecAggStage:
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         """One setup or unmasking request; returns the reply (raises SecAggRefusal with the reason)."""
         stage, federation, epoch = request.get("stage"), request.get("federation-id"), request.get("epoch")
-        if not isinstance(federation, str) or not isinstance(epoch, str) or not epoch:
-            raise SecAggRefusal("a secure-aggregation request without its federation id and epoch")
+        _check_ids(federation, epoch)
         handlers = {"keys": self._keys, "share": self._share, "view": self._view, "unmask": self._unmask,
                     "recover": self._recover}
-        if stage not in handlers:
+        if not isinstance(stage, str) or stage not in handlers:
             raise SecAggRefusal(f"unknown secure-aggregation stage {stage!r}")
         with self.lock:
             return handlers[stage](federation, epoch, request)
@@ -300,10 +314,11 @@ class SecAggStage:
     def prepare(self, config: dict[str, Any]) -> RoundPlan:
         """Check a secure round's train request and keep the key shares it delivers; before any training."""
         federation, epoch, rnd = config.get("federation-id"), config.get("secagg-epoch"), config.get("server-round")
+        _check_ids(federation, epoch)
         if why := self.requirement_refusal(config):  # the trainer asks first, to refuse as its policy; never skipped
             raise SecAggRefusal(why)
         with self.lock:
-            e = self._set_up(str(federation), str(epoch))
+            e = self._set_up(federation, epoch)
             rnd = _round_number(rnd)
             round_set = config.get("secagg-round-set")
             if not isinstance(round_set, list) or self.me not in round_set or len(set(round_set)) != len(round_set):
@@ -324,9 +339,9 @@ class SecAggStage:
                                  max_weight=int(config["secagg-max-weight"]), clusters=len(round_set))
             except (KeyError, TypeError, ValueError) as err:
                 raise SecAggRefusal(f"the round's field encoding is invalid: {err}") from None
-            self._deliver(e, epoch=str(epoch), config=config)
-            self._save(str(federation))
-            return RoundPlan(federation=str(federation), epoch=str(epoch), server_round=rnd,
+            self._deliver(e, epoch=epoch, config=config)
+            self._save(federation)
+            return RoundPlan(federation=federation, epoch=epoch, server_round=rnd,
                              round_set=tuple(round_set), code=code, threshold=int(e["threshold"]))
 
     def _deliver(self, e: dict[str, Any], *, epoch: str, config: dict[str, Any]) -> None:

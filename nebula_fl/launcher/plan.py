@@ -225,10 +225,17 @@ def _cluster_policies(given: list[str] | None, clusters: int) -> dict[int, dict[
         index, sep, path = item.partition("=")
         if not sep or not index.strip().isdigit() or not 0 <= int(index) < clusters:
             raise NebulaError(f"--cluster-policy '{item}' is not N=FILE with N a cluster (0..{clusters - 1})")
-        PrivacyPolicy.load(path)  # one clear line for a missing file, bad JSON or a bad field
-        fields = json.loads(Path(path).read_text())
-        if isinstance(fields.get("secagg_peers"), str):  # a relative roster path is the policy file's neighbour
+        try:
+            fields = json.loads(Path(path).expanduser().read_text())
+        except OSError as err:
+            raise NebulaError(f"--cluster-policy: cannot read '{path}' ({err.strerror}); pass an existing JSON file") from None
+        except ValueError as err:
+            raise NebulaError(f"--cluster-policy: '{path}' is not valid JSON ({err}); fix the file") from None
+        if isinstance(fields, dict) and isinstance(fields.get("secagg_peers"), str):  # beside the policy file
             fields["secagg_peers"] = str(Path(path).expanduser().resolve().parent / fields["secagg_peers"])
+        # one clear line for a bad field; the roster is this launcher's unless the file names one
+        checked = {"secagg_peers": "launcher-roster", **fields} if isinstance(fields, dict) else fields
+        PrivacyPolicy.from_dict(checked, where=f"--cluster-policy '{path}'")
         out[int(index)] = fields
     return out
 

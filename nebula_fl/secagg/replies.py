@@ -10,11 +10,14 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nebula_fl.secagg.identity import check_public
 from nebula_fl.secagg.masks import KEY_BYTES
+from nebula_fl.secagg.rebuild import rebuild
+from nebula_fl.secagg.shares import ShareError, matches_public
+from nebula_fl.secagg.wire import commitment
 
 MAX_SHARE_BYTES = 4 + 16 * 64  # a Shamir share of at most 1 KB of secret (a P-384 PEM is ~300 bytes)
 
@@ -115,3 +118,76 @@ def parse_share_tokens(reply: Mapping[str, Any]) -> dict[str, str]:
         out[cid] = token
     return out
 
+
+
+@dataclass
+class Unmasking:
+    """What the unmask replies of a round give the server, every piece checked."""
+
+    seeds: dict[str, bytes] = field(default_factory=dict)  # survivor -> its self-mask seed (matches its commitment)
+    pair_keys: dict[tuple[str, str], bytes] = field(default_factory=dict)  # (survivor, dropped) -> their round key
+    bad: dict[str, str] = field(default_factory=dict)  # holder -> why (part of) its reply was not used
+    unreadable: dict[str, list[str]] = field(default_factory=dict)  # holder -> survivors whose share it could not open
+
+
+def read_unmask(replies: Mapping[str, Any], *, survivors: list[str], dropped: list[str],
+                neighbours: Mapping[str, Any], threshold: int, commits: Mapping[str, Mapping[str, Any]]) -> Unmasking:
+    """The server's reading of a round's unmask replies (holder -> reply): a malformed reply drops its holder, a
+    share or key that does not match its uploader's commitment is left out and names its holder. ShareError if a
+    survivor's seed cannot be rebuilt from the shares that are left."""
+    out = Unmasking()
+    revealed: dict[str, Unmasked] = {}
+    for holder, reply in replies.items():
+        try:
+            if not isinstance(reply, Mapping):
+                raise ReplyError("it is not a record")
+            revealed[holder] = parse_unmask(reply, holder=holder, survivors=set(survivors), dropped=set(dropped),
+                                            neighbours=set(neighbours[holder]))
+        except ReplyError as err:
+            out.bad[holder] = str(err)
+            continue
+        if revealed[holder].unreadable:
+            out.unreadable[holder] = list(revealed[holder].unreadable)
+    for cluster in survivors:
+        pieces = {h: r.self_shares[cluster] for h, r in revealed.items() if cluster in r.self_shares}
+        commit = commits[cluster]["self"]
+        try:
+            out.seeds[cluster], wrong = rebuild(pieces, threshold=threshold, check=lambda s, c=commit: commitment(s) == c)
+        except ShareError as err:
+            raise ShareError(f"the self-mask seed of cluster {cluster}: {err}") from None
+        for holder in wrong:
+            out.bad[holder] = f"its share of cluster {cluster}'s self-mask seed is wrong"
+    for gone in dropped:
+        for j in survivors:
+            key = revealed[j].pair_keys.get(gone) if j in revealed else None
+            if key is None:
+                continue
+            if commitment(key) == commits[j]["pairs"].get(gone):
+                out.pair_keys[(j, gone)] = key
+            else:
+                out.bad[j] = f"its pair key with cluster {gone} does not match its commitment"
+    return out
+
+
+def read_recover(replies: Mapping[str, Any], *, asked: Mapping[str, set[str]], threshold: int,
+                 public_keys: Mapping[str, bytes]) -> tuple[dict[str, bytes], dict[str, str]]:
+    """(dropped cluster -> its rebuilt mask key, holder -> why its reply was not used) from the recover replies;
+    each key must match the public key it stands for. ShareError if one cannot be rebuilt."""
+    held: dict[str, dict[str, bytes]] = {}
+    bad: dict[str, str] = {}
+    for holder, reply in replies.items():
+        try:
+            if not isinstance(reply, Mapping):
+                raise ReplyError("it is not a record")
+            held[holder] = parse_recover(reply, wanted=set(asked.get(holder, ())))
+        except ReplyError as err:
+            bad[holder] = str(err)
+    keys = {}
+    for gone, public in public_keys.items():
+        pieces = {h: r[gone] for h, r in held.items() if gone in r}
+        try:
+            keys[gone], wrong = rebuild(pieces, threshold=threshold, check=lambda k, p=public: matches_public(k, p))
+        except ShareError as err:
+            raise ShareError(f"the mask key of dropped cluster {gone}: {err}") from None
+        bad.update({h: f"its key share of cluster {gone} is wrong" for h in wrong})
+    return keys, bad

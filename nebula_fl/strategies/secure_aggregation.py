@@ -41,18 +41,16 @@ from nebula_fl.secagg.field import FieldCode, FieldError
 from nebula_fl.secagg.identity import verify
 from nebula_fl.secagg.masking import remove_masks
 from nebula_fl.secagg.masks import pair_sign, round_key
-from nebula_fl.secagg.rebuild import rebuild
 from nebula_fl.secagg.replies import (
     ReplyError,
-    Unmasked,
     parse_keys,
-    parse_recover,
     parse_share_tokens,
     parse_signature,
-    parse_unmask,
+    read_recover,
+    read_unmask,
 )
 from nebula_fl.secagg.shares import ShareError
-from nebula_fl.secagg.wire import commitment, digest, unpack_upload
+from nebula_fl.secagg.wire import digest, unpack_upload
 from nebula_fl.strategies.adapter_strategy import CONFIG_KEY, METRICS_KEY, UPDATE_KEY
 from nebula_fl.strategies.base import NebulaStrategy, NodeTraffic
 from nebula_fl.strategies.compression import BLOB, CompressionWrapper
@@ -359,39 +357,29 @@ class SecAggWrapper(NebulaStrategy):
                                          "tokens": [uploads[s].tokens[holder] for s in senders]}
         got, _ = self._stage({node_of[c]: c for c in survivors}, requests, what="unmasking")
         self.report["unmask_trip_s"] = time.monotonic() - started  # the message round trips, all clusters
-        revealed: dict[str, Unmasked] = {}
-        for holder, reply in got.items():
-            try:
-                revealed[holder] = parse_unmask(reply, holder=holder, survivors=set(survivors), dropped=set(dropped),
-                                                neighbours=set(epoch["neighbours"][holder]))
-            except ReplyError as err:
-                self._bad_reply("unmasking", holder, err)
-        seeds = []
-        for cluster in survivors:
-            pieces = {h: r.self_shares[cluster] for h, r in revealed.items() if cluster in r.self_shares}
-            commit = uploads[cluster].commits["self"]
-            seeds.append(self._rebuild(pieces, kind="self-mask", whose=f"cluster {cluster}",
-                                       check=lambda seed, commit=commit: commitment(seed) == commit))
-        unreadable = {h: list(r.unreadable) for h, r in revealed.items() if r.unreadable}
-        if unreadable:
-            self.report["unreadable"] = unreadable
+        try:
+            read = read_unmask(got, survivors=survivors, dropped=dropped, neighbours=epoch["neighbours"], threshold=t,
+                               commits={c: u.commits for c, u in uploads.items()})
+        except ShareError as err:
+            raise StageFailed(f"the unmasking fell short: {err}") from None
+        for holder, why in read.bad.items():
+            self._bad_reply("unmasking", holder, ValueError(why))
+        if read.unreadable:
+            self.report["unreadable"] = read.unreadable
             log(WARNING, "round %d: shares that holders could not open (tampered or sealed with another key), not "
-                "counted: %s", server_round, unreadable)
+                "counted: %s", server_round, read.unreadable)
         orphans, missing = [], []
         for gone in dropped:
             for j in survivors:
                 if gone not in epoch["neighbours"][j]:
                     continue
-                key = revealed[j].pair_keys.get(gone) if j in revealed else None
-                if key is not None and commitment(key) == uploads[j].commits["pairs"].get(gone):
-                    orphans.append((pair_sign(j, gone), key))
+                if (j, gone) in read.pair_keys:
+                    orphans.append((pair_sign(j, gone), read.pair_keys[(j, gone)]))
                 else:
-                    if key is not None:
-                        self._bad_reply("unmasking", j, ValueError(f"its pair key with {gone} does not match its "
-                                                                   "commitment"))
                     missing.append((j, gone))
         if missing:
-            orphans += self._recover(server_round, missing, answered=set(revealed), node_of=node_of)
+            orphans += self._recover(server_round, missing, answered=set(got) - set(read.bad), node_of=node_of)
+        seeds = [read.seeds[c] for c in survivors]
         total = np.zeros(self._coordinates() + 1, dtype=np.uint64)
         for upload in uploads.values():
             total = field.add(total, upload.vector, code=code)
@@ -440,19 +428,15 @@ class SecAggWrapper(NebulaStrategy):
         asked = {h: [g for g in wanted if g in epoch["neighbours"][h]] for h in holders}
         got, _ = self._stage({node_of[h]: h for h in holders},
                              {node_of[h]: {**request, "clusters": asked[h]} for h in holders}, what="key recovery")
-        held: dict[str, dict[str, bytes]] = {}
-        for holder, reply in got.items():
-            try:
-                held[holder] = parse_recover(reply, wanted=set(asked[holder]))
-            except ReplyError as err:
-                self._bad_reply("key recovery", holder, err)
-        keys: dict[str, bytes] = {}
         members = epoch["members"]
+        try:
+            keys, bad = read_recover(got, asked={h: set(v) for h, v in asked.items()}, threshold=epoch["threshold"],
+                                     public_keys={g: epoch["s_pks"][members.index(g)].encode() for g in wanted})
+        except ShareError as err:
+            raise StageFailed(f"the key recovery fell short: {err}") from None
+        for holder, why in bad.items():
+            self._bad_reply("key recovery", holder, ValueError(why))
         for gone in wanted:
-            s_pk = epoch["s_pks"][members.index(gone)].encode()
-            keys[gone] = self._rebuild({h: r[gone] for h, r in held.items() if gone in r}, kind="key",
-                                       whose=f"dropped cluster {gone}",
-                                       check=lambda pem, s_pk=s_pk: shares.matches_public(pem, s_pk))
             self.rekey.add(gone)
             log(INFO, "round %d: the mask key of cluster %s was rebuilt; it re-keys before it is sampled again",
                 server_round, gone)
@@ -462,17 +446,6 @@ class SecAggWrapper(NebulaStrategy):
             out.append((pair_sign(j, gone), round_key(secret, epoch=epoch["id"], server_round=server_round)))
         self.report["recovered"] = wanted
         return out
-
-    def _rebuild(self, pieces: dict[str, bytes], *, kind: str, whose: str, check) -> bytes:
-        """A secret from the holders' shares, checked; a holder whose share is wrong is named and left out."""
-        assert self.epoch is not None
-        try:
-            secret, wrong = rebuild(pieces, threshold=self.epoch["threshold"], check=check)
-        except ShareError as err:
-            raise StageFailed(f"the {kind} secret of {whose} cannot be rebuilt: {err}") from None
-        for holder in sorted(wrong):
-            self._bad_reply(f"{kind} share of {whose}", holder, ValueError("its share is wrong"))
-        return secret
 
     # -- pass-through ----------------------------------------------------------------------------------
     def observe_traffic(self, traffic: dict[int, NodeTraffic]) -> None:
