@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.nebula-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+# everything but the end-to-end federations (marked e2e), for iterating; CI runs `make test`
+test-fast: $(STAMP) lint
+	$(PY) -m pytest -q -m "not e2e"
 
 bench: $(STAMP)
 	$(PY) benchmarks/centralized_vs_federated.py

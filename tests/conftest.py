@@ -16,6 +16,23 @@ from nebula_fl.model.tiny import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+def load_script(name: str, path: Path):
+    """A benchmark script by path: `benchmarks` is not a package here, and Opacus installs one of that name. Its
+    folder is on sys.path while it loads (scripts import federation_runs and the like from beside themselves)."""
+    import importlib.util
+
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(path.parent))
+
 # A suite started in the background by a non-interactive shell inherits SIGINT ignored, and so would every launcher
 # it starts; the interrupt tests send SIGINT as a user's Ctrl-C would, so children start with the default handling.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
@@ -190,3 +207,11 @@ def take_off_path(folder: Path, *modules: str) -> None:
         if name.split(".")[0] in modules:
             del sys.modules[name]
     importlib.invalidate_caches()
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """A test that launches `nebula-fl run` (the run_cli fixture) is an end-to-end one: marked so that
+    `pytest -m "not e2e"` (`make test-fast`) iterates on the rest; `make test` runs them all."""
+    for item in items:
+        if "run_cli" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.e2e)

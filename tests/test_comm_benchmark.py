@@ -5,8 +5,6 @@ Also: the stock baseline's config agrees with nebula-fl's defaults, and its Grid
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 import time
 import tomllib
 
@@ -15,24 +13,9 @@ from flwr.common.config import parse_config_args
 
 from nebula_fl.config import ModelConfig, TrainConfig
 from nebula_fl.wan.profile import parse_profile
-from tests.conftest import REPO
+from tests.conftest import REPO, load_script
 
-
-def _load(name: str, path):
-    """A benchmark script by path: `benchmarks` is not a package here, and Opacus installs one of that name."""
-    sys.path.insert(0, str(path.parent))  # comm.py imports federation_runs from beside itself
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(path.parent))
-
-
-comm = _load("nebula_benchmarks_comm", REPO / "benchmarks" / "comm.py")
+comm = load_script("nebula_benchmarks_comm", REPO / "benchmarks" / "comm.py")
 WAN, SLOW = parse_profile("8mbit:100ms"), parse_profile("0.8mbit:300ms")  # 1e6 and 1e5 bytes/s
 
 
@@ -278,7 +261,7 @@ class _SlowGrid:
 
 
 def test_stock_grid_polls_every_fifth_of_a_second():
-    app = _load("nebula_benchmarks_stock_app", REPO / "benchmarks" / "stock_flower" / "stock_flower_app.py")
+    app = load_script("nebula_benchmarks_stock_app", REPO / "benchmarks" / "stock_flower" / "stock_flower_app.py")
     inner = _SlowGrid()
     replies = list(app.FastPollGrid(inner).send_and_receive(["a", "b"], timeout=30))
     assert sorted(r.metadata.reply_to_message_id for r in replies) == ["m0", "m1"]

@@ -3,25 +3,11 @@ each rejects bad input with its documented error only (no crash), and accepts no
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, load_script
 
-
-def _load_fuzz():
-    """benchmarks/fuzz.py by path: `benchmarks` is not a package here, and Opacus installs one of that name."""
-    spec = importlib.util.spec_from_file_location("nebula_benchmarks_fuzz", REPO / "benchmarks" / "fuzz.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _load_fuzz()
+fuzz = load_script("nebula_benchmarks_fuzz", REPO / "benchmarks" / "fuzz.py")
 EXAMPLES = {"codec-blob": 300, "config-flat": 200, "config-text": 200, "trainer-frame": 200, "checkpoint": 80,
             "uplink-arrays": 120, "layout-json": 200, "privacy-request": 150, "secagg-stage": 300, "secagg-replies": 150}
 

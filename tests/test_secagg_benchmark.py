@@ -5,30 +5,13 @@ pair beside the 8-cluster figures."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
-import sys
 
 from nebula_fl.launcher.federation import SUPEREXEC_POLL_S
 from nebula_fl.strategies.base import NebulaStrategy
-from tests.conftest import REPO
+from tests.conftest import REPO, load_script
 
-
-def _load(name: str, path):
-    """A benchmark script by path: `benchmarks` is not a package here, and Opacus installs one of that name."""
-    sys.path.insert(0, str(path.parent))  # secagg.py imports federation_runs and secagg_legacy_run from beside itself
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(path.parent))
-
-
-secagg = _load("nebula_benchmarks_secagg", REPO / "benchmarks" / "secagg.py")
+secagg = load_script("nebula_benchmarks_secagg", REPO / "benchmarks" / "secagg.py")
 WATCHED = {"supernode": ["0.1"], "superlink": ["0.1"]}
 
 

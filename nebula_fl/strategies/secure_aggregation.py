@@ -1,16 +1,21 @@
 """Secure aggregation as a wrapper: the server unmasks only the sum of a round's surviving clusters.
 
-SecAgg+ (Bell et al. 2020) with its round trips cut to the bone. Once per key epoch (the first round,
-and again only when the sampled clusters change or a cluster's key had to be rebuilt), two setup
-trips: `keys` (each cluster's two public keys) and `share` (the members and their keys; each
-cluster returns its mask key's Shamir shares sealed to its neighbours, which this wrapper forwards
-inside the next train messages). Every round is then the plain round, in which each cluster uploads
-its masked (w·x, w) with its self-mask seed's shares sealed to its neighbours, plus one `unmask` trip
-in which survivors reveal the self-mask shares of survivors and the round keys of their pairwise
-masks with clusters that dropped before uploading. Only when a dropped cluster's neighbour dropped
-too after uploading is a fourth trip made (`recover`: that cluster's key shares), after which the
-cluster re-keys. A stage that leaves fewer than the threshold aborts the round (the global adapter
-stays) and the run goes on. Bytes and seconds of the extra stages are counted in the round's traffic.
+SecAgg+ (Bell et al. 2020) with the consistency check of Bonawitz et al. 2017, its round trips cut to the
+bone. Once per key epoch (the first round, and again only when the sampled clusters change or a cluster's
+key had to be rebuilt), two setup trips: `keys` (each cluster's two public keys, signed with its identity
+key) and `share` (the members, their keys and signatures; each cluster checks them against its roster and
+returns its mask key's Shamir shares sealed to its neighbours, which this wrapper forwards inside the next
+train messages). Every round is then the plain round, in which each cluster uploads its masked (w·x, w)
+with its self-mask seed's shares sealed to its neighbours, commitments and a signed receipt, plus one
+`unmask` trip: with nobody dropped, the receipts of all are the proof and survivors reveal self-mask
+shares; with dropouts, one `view` trip first, in which the survivors sign the survivor set, and the
+unmask carries those signatures, survivors then also revealing their round keys with the dropped. Only
+when a dropped cluster's neighbour dropped too after uploading is a further trip made (`recover`: that
+cluster's key shares), after which the cluster re-keys. What a cluster reveals, and why a lying server
+learns nothing more, is `secagg/reveal.py`; this wrapper is the honest server. A stage that leaves fewer
+than the threshold aborts the round (the global adapter stays) and the run goes on; a malformed or lying
+reply only drops its holder (`secagg/replies.py`). Bytes and seconds of the extra stages are counted in the
+round's traffic.
 
 It sits outside compression (which sends the downlink and keeps each cluster's view) and inside
 privacy (refusals, the client-level accountant): under client-level DP it asks each cluster for
