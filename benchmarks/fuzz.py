@@ -8,8 +8,8 @@ config that does not round-trip, a layout whose size is not the product of its s
 from Hypothesis under a fixed seed, so a run is reproducible; each target mixes random input with
 valid input damaged in targeted ways (truncated, bytes flipped, lengths and JSON fields changed).
 
-    .venv/bin/python benchmarks/fuzz.py            # 28,000 inputs, ~4 min on 2 cores
-    .venv/bin/python benchmarks/fuzz.py --quick    # 1,400 inputs, ~15 s
+    .venv/bin/python benchmarks/fuzz.py            # 30,000 inputs, ~2 min on 2 cores
+    .venv/bin/python benchmarks/fuzz.py --quick    # 1,500 inputs, ~10 s
     .venv/bin/python benchmarks/fuzz.py --only codec-blob,trainer-frame --seed 3
 
 Prints a table and the first crashes, writes results.json (default benchmarks/results/fuzz/), and
@@ -1222,7 +1222,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a twentieth of the inputs (1,400)")
+    parser.add_argument("--quick", action="store_true", help="a twentieth of the inputs (1,500)")
     parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed of every target (default 0)")
     parser.add_argument("--only", help="comma-separated target names")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="results.json path")

@@ -97,6 +97,7 @@ class Epoch:
             for holder, token in zip(reply["to"], reply["tokens"]):
                 self.held[holder][c] = token
         self.neighbours = {c: set(v) for c, v in graph.neighbours(self.ids, num_shares=num_shares, seed=EPOCH).items()}
+        self.setup = self.stages["0"].state_dict()[FED]["epochs"][EPOCH]["setup_digest"]  # what every signature binds
         self.code = FieldCode(bits=BITS, clip=1.0, max_weight=1000, clusters=n)
         self.round = 0
         self.history: list[Settled] = []

@@ -121,7 +121,8 @@ def test_a_forged_signature_does_not_certify_a_survivor_set(shm_tmp):
     mallory = Identity.load_or_create(shm_tmp / "mallory")
     from nebula_fl.secagg.evidence import view_fields
 
-    fields = view_fields(federation=FED, epoch=EPOCH, server_round=1, round_set=ep.ids, survivors=survivors)
+    fields = view_fields(federation=FED, epoch=EPOCH, setup=ep.setup, server_round=1, round_set=ep.ids,
+                         survivors=survivors)
     sigs = {"0": mallory.sign("view", *fields), "2": mallory.sign("view", *fields),
             "1": ep.signature("1", survivors)}
     stage = ep.fresh("1")
@@ -143,7 +144,7 @@ def test_a_cluster_told_another_round_set_than_the_rest_refuses_the_full_view(sh
 
     other = Identity.load_or_create(ep.stages["3"].folder)
     digest = ep.receipts["3"][0]
-    split = other.sign("upload", *upload_fields(federation=FED, epoch=EPOCH, server_round=1,
+    split = other.sign("upload", *upload_fields(federation=FED, epoch=EPOCH, setup=ep.setup, server_round=1,
                                                 round_set=["1", "2", "3"], member="3", digest=digest))
     stage = ep.fresh("1")
     with pytest.raises(SecAggRefusal, match=r"receipt of cluster\(s\) \['3'\]"):
@@ -192,3 +193,26 @@ def test_the_full_view_is_what_the_honest_server_uses_and_needs_no_signature(shm
     assert ep.calls == 0
     ep.run(ep.honest())
     assert ep.calls == 4, "one unmask request per cluster, nothing else"
+
+
+def test_signatures_made_under_another_setup_of_the_epoch_do_not_count(shm_tmp):
+    """A server that shows clusters different setups (members, keys, threshold) splits them into camps: a receipt or
+    a survivor signature binds its signer's setup, so it counts for no cluster that saw another one."""
+    from nebula_fl.secagg.evidence import upload_fields, view_fields
+
+    ep = Epoch(shm_tmp, n=4, threshold=3)
+    survivors = frozenset({"0", "1", "2"})
+    other_setup = "0" * 64
+    signer = {c: Identity.load_or_create(ep.stages[c].folder) for c in ep.ids}
+    receipts = {c: [ep.receipts[c][0], signer[c].sign("upload", *upload_fields(
+        federation=FED, epoch=EPOCH, setup=other_setup, server_round=1, round_set=ep.ids, member=c,
+        digest=ep.receipts[c][0]))] for c in ep.ids}
+    with pytest.raises(SecAggRefusal, match="no valid upload receipt"):
+        ep.fresh("1").handle(unmask_request(ep, "1", ep.ids, receipts=json.dumps(receipts)))
+    fields = view_fields(federation=FED, epoch=EPOCH, setup=other_setup, server_round=1, round_set=ep.ids,
+                         survivors=survivors)
+    stage = ep.fresh("1")
+    stage.handle({**ep.base(survivors), "stage": "view"})
+    with pytest.raises(SecAggRefusal, match="not certified"):
+        stage.handle(unmask_request(ep, "1", survivors,
+                                    signatures=json.dumps({c: signer[c].sign("view", *fields) for c in survivors})))

@@ -62,6 +62,8 @@ def test_a_stage_takes_its_roster_and_requirement_from_the_policy_and_says_so(tm
     assert bare.requirement_refusal({"federation-id": "f"}) is None and "no roster" in bare.describe()
     with pytest.raises(NebulaError, match="lists another identity key for cluster 1"):
         SecAggStage.for_policy(state_dir=tmp_path / "state", cluster_id=1, policy=policy)
+    with pytest.raises(NebulaError, match="does not list cluster 2"):
+        SecAggStage.for_policy(state_dir=tmp_path / "state", cluster_id=2, policy=policy)
 
 
 def test_nebula_fl_identity_prints_the_same_roster_line_every_time(tmp_path):

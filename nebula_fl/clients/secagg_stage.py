@@ -111,7 +111,10 @@ class SecAggStage:
         self.lock = threading.Lock()
         self.states: dict[str, dict[str, Any]] = {}  # federation -> its state
         self._identity: Identity | None = None
-        if roster is not None and roster.get(self.me, self.identity.public) != self.identity.public:
+        if roster is not None and self.me not in roster:
+            raise NebulaError(f"the roster does not list cluster {self.me} (this one); add the line `nebula-fl identity` "
+                              "prints for it, as every other cluster's roster has")
+        if roster is not None and roster[self.me] != self.identity.public:
             raise NebulaError(f"the roster lists another identity key for cluster {self.me} than this state folder's "
                               f"({self.folder}); fix the roster line or use this cluster's own state folder")
 
@@ -300,7 +303,7 @@ class SecAggStage:
                 continue
             header = {"kind": "key", "from": self.me, "to": holder, "epoch": epoch}
             tokens[holder] = shares.seal(self._seal_key(e, holder, setup), header=header, share=piece).decode()
-        e.update(setup=setup, ids=ids, graph={m: list(v) for m, v in nbrs_of.items()}, neighbours=list(nbrs),
+        e.update(setup=setup, setup_digest=evidence.setup_digest(setup), ids=ids, graph={m: list(v) for m, v in nbrs_of.items()}, neighbours=list(nbrs),
                  threshold=threshold, tokens=tokens, key_shares={}, log=RevealLog().state_dict())
         self._save(federation)
         return {"to": list(tokens), "tokens": list(tokens.values())}
@@ -400,7 +403,7 @@ class SecAggStage:
             masked = field.pack(mask_input(encoded, code=plan.code, self_seed=seed, pair_keys=pair), bits=plan.code.bits)
             head: dict[str, Any] = {"tokens": tokens, "commit": {"self": commitment(seed), "pairs": pair_commits}}
             head["receipt"] = self.identity.sign("upload", *evidence.upload_fields(
-                federation=plan.federation, epoch=plan.epoch, server_round=plan.server_round,
+                federation=plan.federation, epoch=plan.epoch, setup=e["setup_digest"], server_round=plan.server_round,
                 round_set=plan.round_set, member=self.me, digest=digest(head, masked)))
             rounds[str(plan.server_round)] = {"epoch": plan.epoch, "round_set": list(plan.round_set), "own_share": own}
             self._save(plan.federation)
@@ -442,7 +445,7 @@ class SecAggStage:
         e["log"] = log.state_dict()
         self._save(federation)
         sig = self.identity.sign("view", *evidence.view_fields(
-            federation=federation, epoch=epoch, server_round=rnd, round_set=entry["round_set"], survivors=survivors))
+            federation=federation, epoch=epoch, setup=e["setup_digest"], server_round=rnd, round_set=entry["round_set"], survivors=survivors))
         return {"signature": sig}
 
     def _unmask(self, federation: str, epoch: str, request: dict[str, Any]) -> dict[str, Any]:
@@ -498,13 +501,15 @@ class SecAggStage:
         round_set, ids = entry["round_set"], e["ids"]
         if not dropped:
             missing = evidence.missing_receipts(evidence.json_map(request.get("receipts")), ids=ids,
-                                                federation=federation, epoch=epoch, server_round=rnd, round_set=round_set)
+                                                federation=federation, epoch=epoch, setup=e["setup_digest"],
+                                                server_round=rnd, round_set=round_set)
             if missing:
                 raise SecAggRefusal(f"no valid upload receipt of cluster(s) {missing} for round {rnd}: the server "
                                     "claims nobody dropped without the proof")
             return
         signers = evidence.view_signers(evidence.json_map(request.get("signatures")), ids=ids, federation=federation,
-                                        epoch=epoch, server_round=rnd, round_set=round_set, survivors=sorted(survivors))
+                                        epoch=epoch, setup=e["setup_digest"], server_round=rnd, round_set=round_set,
+                                        survivors=sorted(survivors))
         why = evidence.uncertified(signers, me=self.me, dropped=dropped, neighbours=e["graph"],
                                    threshold=int(e["threshold"]))
         if why:

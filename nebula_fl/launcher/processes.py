@@ -17,6 +17,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,8 +131,10 @@ class ProcessSet:
         return out
 
     def stop_all(self, *, grace: float = 8.0) -> None:
-        for item in self.items:
-            self._stop(item, grace=grace)
+        """Stop every tree at once, each with its own grace period: one after the other, the 17 services of an
+        8-cluster federation took 8-10 s to stop; together they take the slowest one's time."""
+        with ThreadPoolExecutor(max_workers=max(1, len(self.items)), thread_name_prefix="stop") as pool:
+            list(pool.map(lambda item: self._stop(item, grace=grace), self.items))
         for item in self.items:
             item.popen.poll()
 

@@ -12,6 +12,7 @@ Pure functions of the identity keys and the neighbour graph; `reveal.py` says wh
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,18 +20,25 @@ from typing import Any
 from nebula_fl.secagg.identity import verify
 
 
-def upload_fields(*, federation: str, epoch: str, server_round: int, round_set: Sequence[str], member: str,
-                  digest: str) -> tuple:
-    return (federation, epoch, int(server_round), sorted(round_set), member, digest)
+def setup_digest(setup: Mapping[str, Any]) -> str:
+    """The epoch's setup as one cluster saw it (members, their keys and signatures, shares, threshold): every
+    signature binds it, so a server that shows clusters different setups splits them into camps whose
+    signatures do not count for each other."""
+    return hashlib.sha256(json.dumps(dict(setup), sort_keys=True).encode()).hexdigest()
 
 
-def view_fields(*, federation: str, epoch: str, server_round: int, round_set: Sequence[str],
+def upload_fields(*, federation: str, epoch: str, setup: str, server_round: int, round_set: Sequence[str],
+                  member: str, digest: str) -> tuple:
+    return (federation, epoch, setup, int(server_round), sorted(round_set), member, digest)
+
+
+def view_fields(*, federation: str, epoch: str, setup: str, server_round: int, round_set: Sequence[str],
                 survivors: Sequence[str]) -> tuple:
-    return (federation, epoch, int(server_round), sorted(round_set), sorted(survivors))
+    return (federation, epoch, setup, int(server_round), sorted(round_set), sorted(survivors))
 
 
-def missing_receipts(receipts: object, *, ids: Mapping[str, str], federation: str, epoch: str, server_round: int,
-                     round_set: Sequence[str]) -> list[str]:
+def missing_receipts(receipts: object, *, ids: Mapping[str, str], federation: str, epoch: str, setup: str,
+                     server_round: int, round_set: Sequence[str]) -> list[str]:
     """The members of the round set without a valid receipt (digest, signature) for this round; [] = all there."""
     receipts = receipts if isinstance(receipts, Mapping) else {}
     missing = []
@@ -39,19 +47,19 @@ def missing_receipts(receipts: object, *, ids: Mapping[str, str], federation: st
         ok = (isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) == 2
               and isinstance(entry[0], str) and member in ids
               and verify(ids[member], entry[1], "upload", *upload_fields(
-                  federation=federation, epoch=epoch, server_round=server_round, round_set=round_set,
+                  federation=federation, epoch=epoch, setup=setup, server_round=server_round, round_set=round_set,
                   member=member, digest=entry[0])))
         if not ok:
             missing.append(member)
     return missing
 
 
-def view_signers(signatures: object, *, ids: Mapping[str, str], federation: str, epoch: str, server_round: int,
-                 round_set: Sequence[str], survivors: Sequence[str]) -> set[str]:
+def view_signers(signatures: object, *, ids: Mapping[str, str], federation: str, epoch: str, setup: str,
+                 server_round: int, round_set: Sequence[str], survivors: Sequence[str]) -> set[str]:
     """The survivors whose signature of exactly this view is valid."""
     signatures = signatures if isinstance(signatures, Mapping) else {}
-    fields = view_fields(federation=federation, epoch=epoch, server_round=server_round, round_set=round_set,
-                         survivors=survivors)
+    fields = view_fields(federation=federation, epoch=epoch, setup=setup, server_round=server_round,
+                         round_set=round_set, survivors=survivors)
     return {m for m in survivors if m in ids and verify(ids[m], signatures.get(m), "view", *fields)}
 
 

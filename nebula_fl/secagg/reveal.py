@@ -18,7 +18,10 @@ THE RULES (each holder h, each round r of an epoch):
    view of r is refused; the same request again gets the same answer.
 3. Evidence. The *full view* (D = ∅) needs an upload receipt of every member of R for this R: nobody
    dropped. A *dropout view* needs valid signatures of exactly (R, S) from at least t of h's holders
-   and from at least t of the holders of each neighbour of h in D (evidence.py).
+   and from at least t of the holders of each neighbour of h in D (evidence.py). Every receipt and
+   signature binds the epoch's setup as its signer saw it (members, keys, threshold): a server that shows
+   clusters different setups splits them into camps whose signatures never count for each other, and
+   the argument below holds inside each camp.
 4. Reveals. Under its view h reveals the self-mask shares of its holders in S and its pair keys with its
    neighbours in D, nothing else. Never a self-mask share of a cluster whose key share h revealed in this
    epoch; a key share of a cluster j only after h unmasked r under a view with j in D (its evidence

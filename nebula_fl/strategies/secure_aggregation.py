@@ -41,7 +41,7 @@ from nebula_fl.compression import Compressor
 from nebula_fl.compression.randk import RandK
 from nebula_fl.config import SecAggConfig
 from nebula_fl.secagg import field, graph, shares
-from nebula_fl.secagg.evidence import upload_fields, view_fields
+from nebula_fl.secagg.evidence import setup_digest, upload_fields, view_fields
 from nebula_fl.secagg.field import FieldCode, FieldError
 from nebula_fl.secagg.identity import verify
 from nebula_fl.secagg.masking import remove_masks
@@ -104,7 +104,7 @@ class SecAggWrapper(NebulaStrategy):
         self.inner.load_state_dict(state["inner"])
         epoch = state.get("epoch")
         # an epoch saved before clusters signed their keys has no identities: set up keys again
-        self.epoch = None if epoch is None or "ids" not in epoch else {**epoch, "acked": set(epoch["acked"])}
+        self.epoch = None if epoch is None or "setup" not in epoch else {**epoch, "acked": set(epoch["acked"])}
         self.rekey = set(state.get("rekey", []))
 
     def needs_identity(self) -> bool:
@@ -191,7 +191,10 @@ class SecAggWrapper(NebulaStrategy):
                 self._bad_reply("share distribution", sender, err)
                 raise StageFailed(f"cluster {sender}'s share distribution is unusable; keys are set up again next "
                                   "round") from None
+        setup = {"members": members, "c_pks": c_pks, "s_pks": s_pks, "id_pks": id_pks, "sigs": sigs,
+                 "num_shares": self.cfg.num_shares, "threshold": threshold}  # as each cluster keeps it
         self.epoch = {"id": epoch_id, "members": members, "c_pks": c_pks, "s_pks": s_pks, "ids": dict(zip(members, id_pks)),
+                      "setup": setup_digest(setup),
                       "threshold": threshold,
                       "neighbours": {c: list(v) for c, v in
                                      graph.neighbours(members, num_shares=self.cfg.num_shares, seed=epoch_id).items()},
@@ -314,7 +317,8 @@ class SecAggWrapper(NebulaStrategy):
                                      f"{sorted(owed)}")
                 signed = digest(head, masked)
                 if not verify(self.epoch["ids"][cluster], head["receipt"], "upload", *upload_fields(
-                        federation=self.round["federation"], epoch=self.epoch["id"], server_round=rnd,
+                        federation=self.round["federation"], epoch=self.epoch["id"], setup=self.epoch["setup"],
+                        server_round=rnd,
                         round_set=self.round["set"], member=cluster, digest=signed)):
                     raise ValueError("its receipt is not its signature of this round's upload")
             except (KeyError, ValueError, TypeError, FieldError) as err:
@@ -407,7 +411,8 @@ class SecAggWrapper(NebulaStrategy):
         assert self.epoch is not None
         got, _ = self._stage({node_of[c]: c for c in survivors},
                              {node_of[c]: {**base, "stage": "view"} for c in survivors}, what="survivor agreement")
-        fields = view_fields(federation=base["federation-id"], epoch=base["epoch"], server_round=base["round"],
+        fields = view_fields(federation=base["federation-id"], epoch=base["epoch"], setup=self.epoch["setup"],
+                             server_round=base["round"],
                              round_set=self.round["set"], survivors=survivors)
         signatures = {}
         for cluster, reply in got.items():
