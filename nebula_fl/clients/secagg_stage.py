@@ -324,8 +324,8 @@ class SecAggStage:
             e = self._set_up(federation, epoch)
             rnd = _round_number(rnd)
             round_set = config.get("secagg-round-set")
-            if not isinstance(round_set, list) or self.me not in round_set or len(set(round_set)) != len(round_set):
-                raise SecAggRefusal(f"the round's clusters {round_set!r} do not include cluster {self.me} once")
+            if self.me not in _members(round_set, "round's clusters"):
+                raise SecAggRefusal(f"the round's clusters {round_set!r} do not include cluster {self.me}")
             unknown = set(round_set) - set(e["setup"]["members"])
             if unknown:
                 raise SecAggRefusal(f"the round names cluster(s) {sorted(unknown)} outside epoch {epoch}")
