@@ -18,7 +18,7 @@ ClientApp's reply) are fixed inside Flower, the same on every side. What each si
 from its processes and records and stated in the table's caption and in results.json (`polling`).
 
     .venv/bin/python benchmarks/secagg.py            # 4 rounds per 8-cluster side, the demo's 5 rounds
-    .venv/bin/python benchmarks/secagg.py --quick    # 3 rounds each, fewer examples, no legacy plain
+    .venv/bin/python benchmarks/secagg.py --quick    # 3 rounds each, fewer examples, no legacy plain: ~10 min
 
 Writes results.json (and each side's run folder and logs) under --out; prints a table with the goals.
 """
