@@ -50,6 +50,7 @@ from nebula_fl.compression import CodecError, Compressor, Layout, available_code
 from nebula_fl.config import RunConfig
 from nebula_fl.errors import NebulaError
 from nebula_fl.launcher.plan import parse_run_config
+from nebula_fl.secagg.evidence import json_map
 from nebula_fl.server.run_folder import RunFolder
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "fuzz" / "results.json"
@@ -947,11 +948,11 @@ def check_secagg_stage(case: Case, result: Any) -> str | None:
     if kind == "unmask":
         survivors, dropped = view
         if not dropped:
-            receipts = evidence_json(request.get("receipts"))
+            receipts = json_map(request.get("receipts"))
             if any(receipts.get(m) != ep.receipts[m] for m in ep.ids):
                 return "unmasked the full view without every genuine receipt"
         else:
-            sigs = evidence_json(request.get("signatures"))
+            sigs = json_map(request.get("signatures"))
             genuine = [m for m in survivors if _b64_equal(sigs.get(m), ep.signature(m, frozenset(survivors)) or "")]
             if len(genuine) < SECAGG_T:
                 return f"unmasked a dropout view with {len(genuine)} genuine signatures"
@@ -962,14 +963,6 @@ def check_secagg_stage(case: Case, result: Any) -> str | None:
         if not unmasked or not set(reply["key-from"]) <= unmasked[-1][1]:
             return f"gave key shares of {reply['key-from']} without having unmasked a view in which they dropped"
     return None
-
-
-def evidence_json(value: Any) -> dict[str, Any]:
-    try:
-        data = json.loads(value) if isinstance(value, str) else {}
-    except ValueError:
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 @cache

@@ -89,9 +89,14 @@ def _members(value: Any, what: str) -> set[str]:
     return set(value)
 
 
-def _check_ids(federation: Any, epoch: Any) -> None:
+def _check_federation(federation: Any) -> None:
+    """A federation id names this cluster's state file: never let the server pick a path."""
     if not isinstance(federation, str) or not FEDERATION_ID.fullmatch(federation):
         raise SecAggRefusal(f"federation id {federation!r} is not a plain name of letters, digits, '-' and '_'")
+
+
+def _check_ids(federation: Any, epoch: Any) -> None:
+    _check_federation(federation)
     if not isinstance(epoch, str) or not EPOCH_ID.fullmatch(epoch):
         raise SecAggRefusal(f"epoch {epoch!r} is not an epoch id (1 to 64 letters, digits, '-' and '_')")
 
@@ -170,7 +175,7 @@ class SecAggStage:
         return self.folder / f"{federation}.json"
 
     def _state(self, federation: str) -> dict[str, Any]:
-        _check_ids(federation, "-")  # it names this cluster's state file: never let the server pick a path
+        _check_federation(federation)
         if federation not in self.states:
             path = self._path(federation)
             state = json.loads(path.read_text()) if path.exists() else {}
@@ -260,8 +265,8 @@ class SecAggStage:
                 and len(members) == len(c_pks) == len(s_pks) == len(id_pks) == len(sigs)
                 and all(isinstance(m, str) for m in members) and all(isinstance(k, str) for k in c_pks + s_pks)):
             raise SecAggRefusal("the share request's members, public keys and signatures do not line up")
-        setup = {"members": members, "c_pks": c_pks, "s_pks": s_pks, "id_pks": id_pks, "sigs": sigs,
-                 "num_shares": request.get("num-shares"), "threshold": request.get("threshold")}
+        setup = evidence.setup_record(members=members, c_pks=c_pks, s_pks=s_pks, id_pks=id_pks, sigs=sigs,
+                                      num_shares=request.get("num-shares"), threshold=request.get("threshold"))
         if "setup" in e:  # a replay: the same answer, or a refusal if the server changed anything
             if e["setup"] != setup:
                 raise SecAggRefusal(f"epoch {epoch} was set up already with other members or keys")
@@ -303,8 +308,9 @@ class SecAggStage:
                 continue
             header = {"kind": "key", "from": self.me, "to": holder, "epoch": epoch}
             tokens[holder] = shares.seal(self._seal_key(e, holder, setup), header=header, share=piece).decode()
-        e.update(setup=setup, setup_digest=evidence.setup_digest(setup), ids=ids, graph={m: list(v) for m, v in nbrs_of.items()}, neighbours=list(nbrs),
-                 threshold=threshold, tokens=tokens, key_shares={}, log=RevealLog().state_dict())
+        e.update(setup=setup, setup_digest=evidence.setup_digest(setup), ids=ids,
+                 graph={m: list(v) for m, v in nbrs_of.items()}, neighbours=list(nbrs), threshold=threshold,
+                 tokens=tokens, key_shares={}, log=RevealLog().state_dict())
         self._save(federation)
         return {"to": list(tokens), "tokens": list(tokens.values())}
 

@@ -20,6 +20,13 @@ from typing import Any
 from nebula_fl.secagg.identity import verify
 
 
+def setup_record(*, members: list[str], c_pks: list[str], s_pks: list[str], id_pks: list[str], sigs: list[str],
+                 num_shares: Any, threshold: Any) -> dict[str, Any]:
+    """An epoch's setup as the share request states it: what each cluster keeps, and the server with it."""
+    return {"members": members, "c_pks": c_pks, "s_pks": s_pks, "id_pks": id_pks, "sigs": sigs,
+            "num_shares": num_shares, "threshold": threshold}
+
+
 def setup_digest(setup: Mapping[str, Any]) -> str:
     """The epoch's setup as one cluster saw it (members, their keys and signatures, shares, threshold): every
     signature binds it, so a server that shows clusters different setups splits them into camps whose

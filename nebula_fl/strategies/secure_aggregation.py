@@ -41,7 +41,7 @@ from nebula_fl.compression import Compressor
 from nebula_fl.compression.randk import RandK
 from nebula_fl.config import SecAggConfig
 from nebula_fl.secagg import field, graph, shares
-from nebula_fl.secagg.evidence import setup_digest, upload_fields, view_fields
+from nebula_fl.secagg.evidence import setup_digest, setup_record, upload_fields, view_fields
 from nebula_fl.secagg.field import FieldCode, FieldError
 from nebula_fl.secagg.identity import verify
 from nebula_fl.secagg.masking import remove_masks
@@ -191,11 +191,10 @@ class SecAggWrapper(NebulaStrategy):
                 self._bad_reply("share distribution", sender, err)
                 raise StageFailed(f"cluster {sender}'s share distribution is unusable; keys are set up again next "
                                   "round") from None
-        setup = {"members": members, "c_pks": c_pks, "s_pks": s_pks, "id_pks": id_pks, "sigs": sigs,
-                 "num_shares": self.cfg.num_shares, "threshold": threshold}  # as each cluster keeps it
-        self.epoch = {"id": epoch_id, "members": members, "c_pks": c_pks, "s_pks": s_pks, "ids": dict(zip(members, id_pks)),
-                      "setup": setup_digest(setup),
-                      "threshold": threshold,
+        setup = setup_record(members=members, c_pks=c_pks, s_pks=s_pks, id_pks=id_pks, sigs=sigs,
+                             num_shares=self.cfg.num_shares, threshold=threshold)  # as each cluster keeps it
+        self.epoch = {"id": epoch_id, "members": members, "c_pks": c_pks, "s_pks": s_pks,
+                      "ids": dict(zip(members, id_pks)), "setup": setup_digest(setup), "threshold": threshold,
                       "neighbours": {c: list(v) for c, v in
                                      graph.neighbours(members, num_shares=self.cfg.num_shares, seed=epoch_id).items()},
                       "tokens": tokens, "acked": set()}
