@@ -10,6 +10,16 @@ from nebula_fl.config import OUTER_OPTIMIZERS, PRESETS
 from nebula_fl.errors import NebulaError
 
 
+def _steps(text: str) -> int | str:
+    """`--local-steps`: a positive step count, or 'auto' (range checks are the config's)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step count; use an integer or 'auto'") from None
+
+
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run",
@@ -20,7 +30,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), help="demo (default): the full job; smoke: a tiny one for tests")
     p.add_argument("--clusters", type=int, help="number of clusters (SuperNodes), default 2")
     p.add_argument("--rounds", type=int, help="federated rounds (num-server-rounds)")
-    p.add_argument("--local-steps", type=int, help="inner steps per cluster per round")
+    p.add_argument("--local-steps", type=_steps, help="inner steps per cluster per round, or 'auto' (time-budgeted: "
+                   "see --round-overlap and the round-seconds key)")
+    p.add_argument("--round-overlap", action="store_true", default=None,
+                   help="clusters train on while the network carries their update (sets round-overlap)")
     p.add_argument("--workers-per-cluster", help="DDP workers per cluster: one value or one per cluster, e.g. 1,2")
     p.add_argument("--device", help="cpu or cuda: one value or one per cluster, e.g. cpu,cuda")
     p.add_argument("--task", help="what to train: classify (default), mlm (pre-training), distill, or an installed "

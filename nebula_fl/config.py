@@ -318,9 +318,23 @@ LR_SCHEDULES = ("constant", "cosine")
 class TrainConfig(Section):
     """The inner optimisation each cluster runs on its own data every round."""
 
-    local_steps: int = 10
+    local_steps: int | None = 10
     """Optimizer steps per cluster per round (each step: one batch per worker, gradients averaged by DDP); 1 to
-    1,000,000."""
+    1,000,000. "auto" = time-budgeted: with `round-overlap` a cluster trains until the next round's message
+    arrives, without it for `round-seconds`; at most `max-local-steps` either way, so fast and slow clusters
+    finish together. Updates of different step counts are combined FedNova-style (strategies/aggregation.py)."""
+    max_local_steps: int = 100
+    """The most steps one round may train when `local-steps` is "auto" (and what a privacy budget plans per
+    round); 1 to 1,000,000."""
+    round_seconds: float = 30.0
+    """The training time a round gets when `local-steps` is "auto" and a cluster has nothing trained ahead (every
+    blocking round; an overlapped cluster's first round); > 0, at most 1 day."""
+    round_overlap: bool = False
+    """Overlap compute with the network: after a cluster sends round r's update its trainer trains on at once
+    (round r+1's steps, from its own weights), and when round r+1's message brings the new global adapter it
+    sends what it trained since its last send and rebases that progress onto the new global. The server's outer
+    step is unchanged but uses updates one round stale (Kale et al. 2025); a cluster's GPU no longer idles
+    through the Flower hops (clients/overlap.py)."""
     batch_size: int = 16
     """Examples per worker per step; 1 to 65,536."""
     lr: float = 5e-3
@@ -334,11 +348,22 @@ class TrainConfig(Section):
     lr_min_ratio: float = 0.1
     """Floor of the cosine schedule, as a fraction of `lr`; in [0, 1]."""
 
+    @property
+    def steps_cap(self) -> int:
+        """The most steps a round can train: `local-steps`, or `max-local-steps` when it is "auto"."""
+        return self.max_local_steps if self.local_steps is None else self.local_steps
+
     def __post_init__(self) -> None:
         _require(isinstance(self.lr_schedule, str) and self.lr_schedule in LR_SCHEDULES, "lr-schedule",
                  f"is {_show(self.lr_schedule)}", f"use one of {', '.join(LR_SCHEDULES)}")
         _real("lr-min-ratio", self.lr_min_ratio, low=0, high=1, fix="use a value in [0, 1]")
-        _int("local-steps", self.local_steps, low=1, high=1_000_000, fix="use 1 or more (at most 1000000)")
+        if self.local_steps is not None:
+            _int("local-steps", self.local_steps, low=1, high=1_000_000,
+                 fix="use 1 or more (at most 1000000), or \"auto\"")
+        _int("max-local-steps", self.max_local_steps, low=1, high=1_000_000, fix="use 1 or more (at most 1000000)")
+        _real("round-seconds", self.round_seconds, low=0, high=DAY_S, low_open=True,
+              fix=f"use seconds > 0 (at most {DAY_S}, 1 day)")
+        _bool("round-overlap", self.round_overlap)
         _int("batch-size", self.batch_size, low=1, high=65_536, fix="use 1 or more (at most 65536)")
         _real("lr", self.lr, low=0, high=10, low_open=True, fix="use a learning rate > 0 (at most 10)")
         _real("weight-decay", self.weight_decay, low=0, high=10, fix="use 0 or more (at most 10)")

@@ -252,7 +252,7 @@ class Federation:
         path.parent.mkdir(parents=True, exist_ok=True)
         cfg = self.plan.config
         fields = policy_for_run(cfg.privacy, rounds=cfg.federation.num_server_rounds,
-                                local_steps=cfg.train.local_steps).to_dict()
+                                local_steps=cfg.train.steps_cap).to_dict()
         fields.update((self.plan.cluster_policies or {}).get(cluster, {}))
         if roster is not None:
             fields.setdefault("secagg_peers", str(roster))

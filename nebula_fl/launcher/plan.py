@@ -25,6 +25,7 @@ from nebula_fl.tasks import task_class
 FLAG_KEYS = {
     "rounds": "num-server-rounds",
     "local_steps": "local-steps",
+    "round_overlap": "round-overlap",
     "outer_optimizer": "outer-optimizer",
     "partition": "partition",
     "seed": "seed",
@@ -175,7 +176,7 @@ def make_plan(args: Any) -> LaunchPlan:
 
 
 def _resume_plan(args: Any) -> LaunchPlan:
-    given = [name for name in ("clusters", "local_steps", "outer_optimizer", "partition", "seed", "out", "run_config",
+    given = [name for name in ("clusters", "local_steps", "round_overlap", "outer_optimizer", "partition", "seed", "out", "run_config",
                                "workers_per_cluster", "device", "preset", "codec", "wan", "secure", "secure_aggregation",
                                "task", "cluster_policy")
              if getattr(args, name, None) is not None]
