@@ -36,6 +36,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="clusters train on while the network carries their update (sets round-overlap)")
     p.add_argument("--workers-per-cluster", help="DDP workers per cluster: one value or one per cluster, e.g. 1,2")
     p.add_argument("--device", help="cpu or cuda: one value or one per cluster, e.g. cpu,cuda")
+    p.add_argument("--threads-per-cluster", help="torch threads per worker: one value or one per cluster, e.g. 2,1 "
+                   "(default: the machine's cores shared evenly by every worker)")
     p.add_argument("--task", help="what to train: classify (default), mlm (pre-training), distill, or an installed "
                    "plugin's name (sets task.name; --preset then adds the task's own preset)")
     p.add_argument("--outer-optimizer", help=f"server optimizer: {', '.join(OUTER_OPTIMIZERS)} or an installed plugin's")

@@ -49,17 +49,21 @@ class LaunchPlan:
     secure: bool = False  # TLS and SuperNode authentication (launcher/secure.py)
     rewind: bool = False  # move damaged newest checkpoints aside before resuming (RunFolder.rewind_checkpoints)
     cluster_policies: dict[int, dict[str, Any]] | None = None  # an operator's own policy fields, over the run's
+    threads_per_cluster: list[int] | None = None  # --threads-per-cluster: torch threads per worker, per cluster
 
     @property
     def threads(self) -> list[int]:
-        """Torch threads per worker: the machine's cores shared evenly by every worker of every cluster."""
+        """Torch threads per worker: --threads-per-cluster's, else the machine's cores shared evenly by every
+        worker of every cluster."""
+        if self.threads_per_cluster:
+            return list(self.threads_per_cluster)
         cores = os.cpu_count() or 1
         per = max(1, cores // max(1, sum(self.workers)))
         return [per] * self.clusters
 
     def launcher_record(self) -> dict[str, Any]:
         return {"clusters": self.clusters, "workers": self.workers, "devices": self.devices, "port": self.port,
-                "wan": self.wan, "secure": self.secure,
+                "wan": self.wan, "secure": self.secure, "threads_per_cluster": self.threads_per_cluster,
                 "cluster_policies": {str(k): v for k, v in (self.cluster_policies or {}).items()}}
 
 
@@ -104,13 +108,20 @@ def _wan_profiles(text: str | None, clusters: int) -> list[str] | None:
     return specs
 
 
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, flag: str = "--workers-per-cluster", what: str = "workers") -> int:
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise NebulaError(f"--workers-per-cluster has '{text}'; each cluster needs 1 or more workers")
+        raise NebulaError(f"{flag} has '{text}'; each cluster needs 1 or more {what}")
+    return value
+
+
+def _threads(text: str) -> int:
+    value = _positive_int(text, "--threads-per-cluster", "torch threads per worker")
+    if value > 1024:
+        raise NebulaError(f"--threads-per-cluster has '{text}'; use at most 1024 torch threads per worker")
     return value
 
 
@@ -167,9 +178,12 @@ def make_plan(args: Any) -> LaunchPlan:
         raise NebulaError(f"run folder '{out}' already holds a run; pass a new --out, or --resume {out}")
     workers = _per_cluster(args.workers_per_cluster or "1", clusters, "--workers-per-cluster", _positive_int)
     devices = _per_cluster(args.device or "cpu", clusters, "--device", _device)
+    threads = getattr(args, "threads_per_cluster", None)
     plan = LaunchPlan(config=config, out=out, clusters=clusters, workers=workers, devices=devices,
                       port=args.port, resume=False, wan=_wan_profiles(args.wan, clusters),
                       secure=bool(getattr(args, "secure", None)),
+                      threads_per_cluster=_per_cluster(threads, clusters, "--threads-per-cluster", _threads)
+                      if threads else None,
                       cluster_policies=_cluster_policies(getattr(args, "cluster_policy", None), clusters))
     _check(plan)
     return plan
@@ -178,7 +192,7 @@ def make_plan(args: Any) -> LaunchPlan:
 def _resume_plan(args: Any) -> LaunchPlan:
     given = [name for name in ("clusters", "local_steps", "round_overlap", "outer_optimizer", "partition", "seed", "out", "run_config",
                                "workers_per_cluster", "device", "preset", "codec", "wan", "secure", "secure_aggregation",
-                               "task", "cluster_policy")
+                               "task", "cluster_policy", "threads_per_cluster")
              if getattr(args, name, None) is not None]
     if given:
         raise NebulaError(
@@ -209,7 +223,7 @@ def _resume_plan(args: Any) -> LaunchPlan:
     plan = LaunchPlan(config=config, out=folder.path, clusters=int(launcher["clusters"]),
                       workers=list(launcher["workers"]), devices=list(launcher["devices"]),
                       port=args.port, resume=True, wan=launcher.get("wan"), secure=bool(launcher.get("secure")),
-                      rewind=rewind,
+                      rewind=rewind, threads_per_cluster=launcher.get("threads_per_cluster"),
                       cluster_policies={int(k): v for k, v in (launcher.get("cluster_policies") or {}).items()})
     _check(plan)
     return plan
