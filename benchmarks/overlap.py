@@ -1,0 +1,619 @@
+"""Overlapped rounds and time-budgeted steps, side by side: blocking vs `round-overlap` vs `local-steps=auto`.
+
+Every side is a real federation (`nebula-fl run`: SuperLink, SuperNodes, trainers, `flwr run`), run one
+after another (never two at once: the times are the point), on the same data, seed, model, rounds and
+evaluation schedule (the server evaluates every round, no round-0 evaluation; `eval-overlap` on, its
+default), with equal inner steps per cluster wherever the mode fixes them. Four configurations:
+
+  1. demo       the demo config (the preset's local steps): `blocking` (fixed steps), `overlapped` (the same
+                fixed steps, `--round-overlap`) and `overlapped-auto` (`--round-overlap --local-steps auto`:
+                a cluster trains until the next message arrives, at most `--max-local-steps`), unthrottled
+                and at `--wan` (20 Mbit/s, 100 ms RTT);
+  2. hop-bound  the demo at `--hop-local-steps` (2) local steps, where the Flower hops outweigh the compute
+                (a GPU cluster, played by this box's CPU): `blocking` vs `overlapped-auto`, at `--wan`;
+  3. hetero     `--workers-per-cluster 2,1 --threads-per-cluster 2,1`: cluster 1 has a quarter of cluster 0's
+                torch threads (1 worker x 1 thread vs 2 x 2; on a box with fewer cores than threads the OS
+                shares them out, and the per-step times measured are in results.json): `fixed` steps vs
+                time-budgeted `budgeted` (blocking, `local-steps=auto` for `round-seconds`) and
+                `budgeted-overlapped` (`--round-overlap --local-steps auto`), unthrottled;
+  4. secagg     3 clusters, `plain` vs `--secure-aggregation`, both overlapped at the demo's fixed steps,
+                unthrottled.
+
+The time budget (`round-seconds`: what a blocking auto round trains for, and an overlapped cluster's first
+round) is calibrated, unless `--round-seconds` is given, from the configuration's reference run (its
+blocking fixed-steps side, which runs first): the median over rounds of its fastest cluster's training
+seconds, so a budgeted round trains as long as the fastest cluster needed for the fixed steps.
+
+Time to target is the ServerApp's clock (`elapsed_seconds` in metrics.jsonl) from its start to the end of
+the evaluation of the first round whose server accuracy reaches the target. The target is chosen once per
+configuration from its reference run's curve, unless `--target CONFIG=ACC` fixes it: the lowest accuracy
+that run reaches in a round >= 2 that is above every side's round-1 accuracy (so no side reaches it in its
+first round). It is stated in the table and in results.json with how it was chosen; a side that never
+reaches it has no time to target, and a ratio that needs it is null (and its goal missed), never guessed.
+A cluster's busy fraction is read from the round's `timeline.clusters[cid].busy_fraction` (and `idle_s`),
+else from its reply's `busy-seconds` / `since-send-seconds`, else it is null.
+
+Figures (results.json `figures`, judged in `goals`):
+  time_to_target_ratio             demo at --wan: overlapped / blocking time to target (equal steps)   <= 0.8
+  time_to_target_ratio_hop_bound   hop-bound at --wan: overlapped-auto / blocking                      <= 0.5
+  accuracy_gap_points              demo at --wan: final accuracy, blocking - overlapped, in points     <= 0.5
+  busy_fraction                    demo at --wan: median over clusters and rounds >= 2, {blocking,
+                                   overlapped}; the goal is on overlapped                               >= 0.9
+  hetero_time_ratio                hetero: budgeted / fixed time to target                              <= 0.7
+  secure_over_plain_overlapped     secagg: secure / plain median round seconds over rounds 2..N
+                                   (round 1 holds the key setup)                                        <= 1.1
+beside them, without goals: the overlapped-auto and unthrottled demo ratios and hetero's budgeted-overlapped.
+
+    .venv/bin/python benchmarks/overlap.py --quick   # the 8 runs the figures need, 4 rounds, 800 examples
+    .venv/bin/python benchmarks/overlap.py           # all 13 runs, the demo's 5 rounds on all of BBC News
+    .venv/bin/python benchmarks/overlap.py --preset smoke --rounds 2 --model tiny   # a check of the script
+
+`--quick` is meant to fit 20 minutes on 2 idle cores (its time is not measured yet). Writes results.json,
+overlap_timeline.png (per configuration: accuracy against the wall clock; per cluster and round: busy vs
+idle seconds) and runs.json (every run's per-round records, written as the runs finish); keeps every run's
+folder and log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from federation_runs import fresh_out, run_federation  # beside this script, first on sys.path
+from rich.console import Console
+from rich.table import Table
+
+from nebula_fl.config import PRESETS, RunConfig
+
+CONFIGS = ("demo", "hop-bound", "hetero", "secagg")
+LINKS = ("unthrottled", "wan")
+GOALS: dict[str, tuple[str, float]] = {
+    "time_to_target_ratio": ("<=", 0.8),
+    "time_to_target_ratio_hop_bound": ("<=", 0.5),
+    "accuracy_gap_points": ("<=", 0.5),
+    "busy_fraction": (">=", 0.9),  # judged on the overlapped side
+    "hetero_time_ratio": ("<=", 0.7),
+    "secure_over_plain_overlapped": ("<=", 1.1),
+}
+QUICK_ROUNDS, QUICK_SECAGG_ROUNDS, QUICK_MAX_EXAMPLES = 4, 3, 800
+
+
+@dataclass(frozen=True, kw_only=True)
+class Side:
+    """One run of the plan."""
+
+    config: str  # one of CONFIGS
+    name: str
+    link: str = "unthrottled"  # one of LINKS
+    overlap: bool = False  # round-overlap
+    auto: bool = False  # local-steps=auto (time-budgeted)
+    local_steps: int  # the fixed steps (also what an auto side's budget was calibrated against)
+    rounds: int
+    clusters: int = 2
+    workers: str | None = None  # --workers-per-cluster
+    threads: str | None = None  # --threads-per-cluster
+    secure: bool = False
+    reference: bool = False  # the configuration's blocking fixed-steps run: target and round-seconds come from it
+
+    @property
+    def key(self) -> str:
+        return f"{self.config}/{self.name}@{self.link}"
+
+
+def plan_sides(*, quick: bool, configs: tuple[str, ...], local_steps: int, hop_local_steps: int, rounds: int,
+               secagg_rounds: int, hetero_workers: str, hetero_threads: str, secagg_clusters: int) -> list[Side]:
+    """Every run, in the order they go: each configuration's reference first (later sides need its figures)."""
+    demo = dict(config="demo", local_steps=local_steps, rounds=rounds)
+    sides: list[Side] = []
+    if "demo" in configs:
+        for link in ("wan",) if quick else ("wan", "unthrottled"):
+            sides.append(Side(**demo, name="blocking", link=link, reference=link == "wan"))
+            sides.append(Side(**demo, name="overlapped", link=link, overlap=True))
+            if not quick:
+                sides.append(Side(**demo, name="overlapped-auto", link=link, overlap=True, auto=True))
+    if "hop-bound" in configs:
+        hop = dict(config="hop-bound", local_steps=hop_local_steps, rounds=rounds, link="wan")
+        sides += [Side(**hop, name="blocking", reference=True),
+                  Side(**hop, name="overlapped-auto", overlap=True, auto=True)]
+    if "hetero" in configs:
+        het = dict(config="hetero", local_steps=local_steps, rounds=rounds, workers=hetero_workers, threads=hetero_threads)
+        sides += [Side(**het, name="fixed", reference=True), Side(**het, name="budgeted", auto=True)]
+        if not quick:
+            sides.append(Side(**het, name="budgeted-overlapped", overlap=True, auto=True))
+    if "secagg" in configs:
+        sec = dict(config="secagg", local_steps=local_steps, rounds=secagg_rounds, clusters=secagg_clusters, overlap=True)
+        sides += [Side(**sec, name="plain", reference=True), Side(**sec, name="secure", secure=True)]
+    return sides
+
+
+# -- analysis: pure functions of run records (tests/test_overlap_benchmark.py) -------------------------
+#
+# A run record: {"side": {...Side fields}, "key", "rounds": [{"round", "accuracy", "elapsed_s", "seconds",
+# "clusters": {cid: {"steps", "train_s", "busy_fraction", "busy_s", "idle_s", "busy_from"}}}, ...]},
+# rounds 1.. in order, elapsed_s from the ServerApp's start to the end of that round's evaluation.
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def busy_of(reply: dict[str, Any], timeline: dict[str, Any]) -> dict[str, Any]:
+    """A cluster's busy fraction, busy and idle seconds in one round: from the round's timeline entry for it
+    (`busy_fraction`, `idle_s`, `busy_s`), else from its reply's metrics (`busy_seconds` / `since_send_seconds`
+    as the record spells them), else unknown (None)."""
+    fraction, idle, busy = (_num(timeline.get(k)) for k in ("busy_fraction", "idle_s", "busy_s"))
+    reply_busy, since = _num(reply.get("busy_seconds")), _num(reply.get("since_send_seconds"))
+    if fraction is not None:
+        busy = busy if busy is not None else reply_busy
+        if busy is None and idle is not None and since is not None:
+            busy = max(0.0, since - idle)
+        if busy is None and idle is not None and fraction < 1:
+            busy = idle * fraction / (1 - fraction)
+        if idle is None and busy is not None and fraction > 0:
+            idle = busy * (1 - fraction) / fraction
+        return {"busy_fraction": fraction, "busy_s": busy, "idle_s": idle, "busy_from": "timeline"}
+    if reply_busy is not None and since is not None and since > 0:
+        return {"busy_fraction": min(1.0, reply_busy / since), "busy_s": reply_busy,
+                "idle_s": max(0.0, since - reply_busy), "busy_from": "reply"}
+    return {"busy_fraction": None, "busy_s": None, "idle_s": None, "busy_from": None}
+
+
+def records_from_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-round records from metrics.jsonl lines."""
+    rounds = []
+    for line in lines:
+        timed = (line.get("timeline") or {}).get("clusters") or {}
+        clusters = {}
+        for cid, reply in sorted((line.get("clusters") or {}).items()):
+            phases = timed.get(cid) or {}
+            clusters[cid] = {"steps": reply.get("steps"), "train_s": _num(phases.get("train_s", reply.get("seconds"))),
+                             **busy_of(reply, phases)}
+        rounds.append({"round": line["round"], "accuracy": line.get("accuracy"), "elapsed_s": line.get("elapsed_seconds"),
+                       "seconds": line.get("seconds"), "clusters": clusters})
+    return rounds
+
+
+def reach(rounds: list[dict], target: float) -> dict | None:
+    """The first round whose evaluation reaches `target`, or None."""
+    return next((r for r in rounds if r["accuracy"] is not None and r["accuracy"] >= target), None)
+
+
+def time_to_target(rounds: list[dict], target: float | None) -> float | None:
+    hit = reach(rounds, target) if target is not None else None
+    return None if hit is None else hit["elapsed_s"]
+
+
+def round_one_accuracy(rounds: list[dict]) -> float | None:
+    return next((r["accuracy"] for r in rounds if r["round"] == 1), None)
+
+
+def choose_target(reference: list[dict], sides: list[list[dict]]) -> float | None:
+    """The lowest accuracy the reference run reaches in a round >= 2 that is above every side's round-1
+    accuracy (`sides` includes the reference's own rounds); None when there is none."""
+    firsts = [a for rounds in sides if (a := round_one_accuracy(rounds)) is not None]
+    floor = max(firsts, default=float("-inf"))
+    above = [r["accuracy"] for r in reference if r["round"] >= 2 and r["accuracy"] is not None and r["accuracy"] > floor]
+    return min(above) if above else None
+
+
+def early_hits(runs: dict[str, dict], target: float) -> list[str]:
+    """The runs that reach `target` in round 1 (a target no side may reach by its first round)."""
+    return [key for key, run in runs.items() if (hit := reach(run["rounds"], target)) is not None and hit["round"] <= 1]
+
+
+def median_busy(rounds: list[dict]) -> float | None:
+    """Median busy fraction over clusters and rounds >= 2 (None: no cluster reported one)."""
+    values = [c["busy_fraction"] for r in rounds if r["round"] >= 2 for c in r["clusters"].values()
+              if c.get("busy_fraction") is not None]
+    return statistics.median(values) if values else None
+
+
+def median_round_s(rounds: list[dict], *, first: int = 2) -> float | None:
+    values = [r["seconds"] for r in rounds if r["round"] >= first and r.get("seconds") is not None]
+    return statistics.median(values) if values else None
+
+
+def median_steps(rounds: list[dict]) -> float | None:
+    values = [c["steps"] for r in rounds for c in r["clusters"].values() if _num(c.get("steps")) is not None]
+    return statistics.median(values) if values else None
+
+
+def fastest_train_s(rounds: list[dict]) -> float | None:
+    """Median over rounds of the fastest cluster's training seconds: the calibrated `round-seconds`."""
+    per_round = [min(times) for r in rounds
+                 if (times := [c["train_s"] for c in r["clusters"].values() if c.get("train_s")])]
+    return statistics.median(per_round) if per_round else None
+
+
+def seconds_per_step(rounds: list[dict]) -> dict[str, float]:
+    """Per cluster: median training seconds per step (how unequal the clusters really were)."""
+    per: dict[str, list[float]] = {}
+    for r in rounds:
+        for cid, c in r["clusters"].items():
+            if c.get("train_s") and _num(c.get("steps")):
+                per.setdefault(cid, []).append(c["train_s"] / c["steps"])
+    return {cid: statistics.median(v) for cid, v in sorted(per.items())}
+
+
+def final_accuracy(rounds: list[dict]) -> float | None:
+    return rounds[-1]["accuracy"] if rounds else None
+
+
+def target_ratio(runs: dict[str, dict], numerator: str, denominator: str,
+                 target: float | None) -> tuple[float | None, str | None]:
+    """Time to target of `numerator` / `denominator` (run keys), or None and why."""
+    if target is None:
+        return None, f"no target for {denominator.split('/')[0]} (see targets)"
+    times = {}
+    for key in (numerator, denominator):
+        if key not in runs:
+            return None, f"{key} did not run"
+        times[key] = time_to_target(runs[key]["rounds"], target)
+        if times[key] is None:
+            return None, f"{key} never reached accuracy {target:.4f} in {len(runs[key]['rounds'])} rounds"
+    if not times[denominator] > 0:
+        return None, f"{denominator} reached the target at {times[denominator]} s"
+    return times[numerator] / times[denominator], None
+
+
+def figures(runs: dict[str, dict], targets: dict[str, float | None], *, wan: str = "wan") -> tuple[dict, dict]:
+    """The figures (None where they cannot be computed) and, for each None, why."""
+    out: dict[str, Any] = {}
+    why: dict[str, str] = {}
+
+    def put(name: str, value_reason: tuple[float | None, str | None]) -> None:
+        out[name], reason = value_reason
+        if reason:
+            why[name] = reason
+
+    demo = targets.get("demo")
+    put("time_to_target_ratio", target_ratio(runs, f"demo/overlapped@{wan}", f"demo/blocking@{wan}", demo))
+    put("time_to_target_ratio_auto", target_ratio(runs, f"demo/overlapped-auto@{wan}", f"demo/blocking@{wan}", demo))
+    put("time_to_target_ratio_unthrottled",
+        target_ratio(runs, "demo/overlapped@unthrottled", "demo/blocking@unthrottled", demo))
+    put("time_to_target_ratio_hop_bound", target_ratio(runs, f"hop-bound/overlapped-auto@{wan}",
+                                                        f"hop-bound/blocking@{wan}", targets.get("hop-bound")))
+    blocking, overlapped = runs.get(f"demo/blocking@{wan}"), runs.get(f"demo/overlapped@{wan}")
+    finals = [final_accuracy(r["rounds"]) if r else None for r in (blocking, overlapped)]
+    if None in finals:
+        put("accuracy_gap_points", (None, f"demo at {wan}: blocking or overlapped did not run or has no accuracy"))
+    else:
+        put("accuracy_gap_points", (100.0 * (finals[0] - finals[1]), None))
+    out["busy_fraction"] = {name: median_busy(runs[key]["rounds"]) if key in runs else None
+                            for name, key in (("blocking", f"demo/blocking@{wan}"),
+                                              ("overlapped", f"demo/overlapped@{wan}"),
+                                              ("overlapped_auto", f"demo/overlapped-auto@{wan}"))}
+    if out["busy_fraction"]["overlapped"] is None:
+        why["busy_fraction"] = (f"demo/overlapped@{wan} did not run" if f"demo/overlapped@{wan}" not in runs else
+                                "no cluster reported busy time (no timeline busy_fraction, no busy-seconds reply metric)")
+    hetero = targets.get("hetero")
+    put("hetero_time_ratio", target_ratio(runs, "hetero/budgeted@unthrottled", "hetero/fixed@unthrottled", hetero))
+    put("hetero_time_ratio_overlapped",
+        target_ratio(runs, "hetero/budgeted-overlapped@unthrottled", "hetero/fixed@unthrottled", hetero))
+    plain, secure = runs.get("secagg/plain@unthrottled"), runs.get("secagg/secure@unthrottled")
+    medians = [median_round_s(r["rounds"]) if r else None for r in (plain, secure)]
+    if None in medians or not medians[0] > 0:
+        put("secure_over_plain_overlapped", (None, "secagg: plain or secure did not run or has no round 2"))
+    else:
+        put("secure_over_plain_overlapped", (medians[1] / medians[0], None))
+    return out, why
+
+
+def judge(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each goal with its value and whether it is met (a figure that could not be computed is not)."""
+    out = {}
+    for key, (op, bound) in GOALS.items():
+        value = values.get(key)
+        if key == "busy_fraction":
+            value = (value or {}).get("overlapped")
+        met = value is not None and (value >= bound if op == ">=" else value <= bound)
+        out[key] = {"goal": f"{op} {bound:g}" + (" (overlapped)" if key == "busy_fraction" else ""),
+                    "value": value, "met": met}
+    return out
+
+
+def run_summary(run: dict, target: float | None) -> dict[str, Any]:
+    """One run's row: final accuracy, where and when it reached the target, median round, steps, busy."""
+    rounds = run["rounds"]
+    hit = reach(rounds, target) if target is not None else None
+    return {"final_accuracy": final_accuracy(rounds), "round_reached": None if hit is None else hit["round"],
+            "time_to_target_s": None if hit is None else hit["elapsed_s"],
+            "elapsed_s": rounds[-1]["elapsed_s"] if rounds else None, "median_round_s_2_to_R": median_round_s(rounds),
+            "median_steps": median_steps(rounds), "busy_fraction": median_busy(rounds)}
+
+
+# -- output ------------------------------------------------------------------------------------------
+def _f(value: Any, spec: str = ".3f", unit: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
+
+
+def runs_table(results: dict[str, Any]) -> Table:
+    table = Table(title="every run (time to target: the ServerApp's clock to the end of that round's evaluation)")
+    for col in ("configuration", "side", "link", "target", "final acc", "reached in round", "time to target",
+                "median round 2..R", "steps / round", "busy (rounds >= 2)", "command"):
+        table.add_column(col, justify="left" if col in ("configuration", "side", "link") else "right")
+    for row in results["runs"].values():
+        side = row["side"]
+        target = results["targets"].get(side["config"], {}).get("value")
+        reached = row["round_reached"]
+        table.add_row(side["config"], side["name"] + (" (ref)" if side["reference"] else ""),
+                      side["link"] if side["link"] == "unthrottled" else results["settings"]["wan"],
+                      _f(target, ".4f"), _f(row["final_accuracy"], ".4f"),
+                      f"not in {row['rounds']}" if reached is None and target is not None else _f(reached, "d"),
+                      _f(row["time_to_target_s"], ".1f", " s"), _f(row["median_round_s_2_to_R"], ".1f", " s"),
+                      _f(row["median_steps"], "g"), _f(row["busy_fraction"], ".2f"),
+                      _f(row["command_seconds"], ".0f", " s"))
+    return table
+
+
+def goals_table(results: dict[str, Any]) -> Table:
+    table = Table(title="figures vs goals")
+    for col in ("figure", "measured", "goal", "met", "note"):
+        table.add_column(col, justify="left" if col in ("figure", "note") else "right")
+    why = results["why_null"]
+    for key, g in results["goals"].items():
+        table.add_row(key, _f(g["value"]), g["goal"].replace(">=", "≥").replace("<=", "≤"),
+                      "yes" if g["met"] else "[bold red]NO[/]", why.get(key, ""))
+    busy = results["busy_fraction"]
+    table.add_row("busy_fraction (blocking)", _f(busy["blocking"]), "-", "-", "")
+    table.add_row("busy_fraction (overlapped-auto)", _f(busy["overlapped_auto"]), "-", "-", "")
+    for key in ("time_to_target_ratio_auto", "time_to_target_ratio_unthrottled", "hetero_time_ratio_overlapped"):
+        table.add_row(key, _f(results.get(key)), "-", "-", why.get(key, ""))
+    return table
+
+
+def targets_lines(results: dict[str, Any]) -> list[str]:
+    return [f"{config}: target {_f(t['value'], '.4f')} ({t['how']})" for config, t in results["targets"].items()]
+
+
+def plot(runs: dict[str, dict], results: dict[str, Any], path: Path, *, wan: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[str, list[str]] = {}
+    for key, run in runs.items():
+        groups.setdefault(f"{run['side']['config']} @ {run['side']['link']}", []).append(key)
+    busy_keys = [k for k in (f"demo/blocking@{wan}", f"demo/overlapped@{wan}", f"demo/overlapped-auto@{wan}")
+                 if k in runs]
+    cols = max(len(groups), len(busy_keys), 1)
+    fig, axes = plt.subplots(2, cols, figsize=(5 * cols, 8), dpi=110, squeeze=False)
+    for ax, (title, keys) in zip(axes[0], groups.items()):
+        config = runs[keys[0]]["side"]["config"]
+        for key in keys:
+            pts = [r for r in runs[key]["rounds"] if r["accuracy"] is not None and r["elapsed_s"] is not None]
+            ax.plot([r["elapsed_s"] for r in pts], [r["accuracy"] for r in pts], marker="o",
+                    label=runs[key]["side"]["name"])
+        target = results["targets"].get(config, {}).get("value")
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle="--", label=f"target {target:.3f}")
+        ax.set_title(title.replace("@ wan", f"@ {wan}"), fontsize=9)
+        ax.set_xlabel("seconds from the ServerApp's start")
+        ax.set_ylabel("server accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes[0][len(groups):]:
+        ax.axis("off")
+    for ax, key in zip(axes[1], busy_keys):
+        rounds = runs[key]["rounds"]
+        cids = sorted({cid for r in rounds for cid in r["clusters"]})
+        cells = [(r["round"], i, r["clusters"].get(cid, {})) for r in rounds for i, cid in enumerate(cids)]
+        seconds = all(c.get("busy_s") is not None and c.get("idle_s") is not None for _, _, c in cells) and cells
+        width = 0.8 / max(1, len(cids))
+        drawn = False
+        for rnd, i, c in cells:
+            if seconds:
+                busy, idle = c["busy_s"], c["idle_s"]
+            elif c.get("busy_fraction") is not None:
+                busy, idle = c["busy_fraction"], 1 - c["busy_fraction"]
+            else:
+                continue
+            x = rnd + (i - (len(cids) - 1) / 2) * width
+            ax.bar(x, busy, width, color=f"C{i}", label=f"cluster {cids[i]} busy" if rnd == rounds[0]["round"] else None)
+            ax.bar(x, idle, width, bottom=busy, color=f"C{i}", alpha=0.25,
+                   label=f"cluster {cids[i]} idle" if rnd == rounds[0]["round"] else None)
+            drawn = True
+        ax.set_title(f"{key.replace('@wan', '@' + wan)}: busy vs idle", fontsize=9)
+        ax.set_xlabel("round")
+        ax.set_ylabel("seconds since the last send" if seconds else "fraction of the time since the last send")
+        if drawn:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "no busy / idle time reported", ha="center", va="center", transform=ax.transAxes)
+    for ax in axes[1][len(busy_keys):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# -- running -----------------------------------------------------------------------------------------
+def side_command(side: Side, *, preset: str, seed: int, wan: str, run_config: str) -> list[str]:
+    """`nebula-fl run` arguments of one side."""
+    cmd = ["--preset", preset, "--clusters", str(side.clusters), "--rounds", str(side.rounds),
+           "--local-steps", "auto" if side.auto else str(side.local_steps), "--seed", str(seed), "--port", "0"]
+    if side.overlap:
+        cmd.append("--round-overlap")
+    if side.link == "wan":
+        cmd += ["--wan", wan]
+    if side.workers:
+        cmd += ["--workers-per-cluster", side.workers]
+    if side.threads:
+        cmd += ["--threads-per-cluster", side.threads]
+    if side.secure:
+        cmd.append("--secure-aggregation")
+    return [*cmd, "--run-config", run_config]
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.lower().startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cores": os.cpu_count(), "cpu": model or platform.processor(), "python": platform.python_version()}
+
+
+def _targets_arg(items: list[str] | None, parser: argparse.ArgumentParser) -> dict[str, float]:
+    out = {}
+    for item in items or []:
+        config, sep, value = item.partition("=")
+        try:
+            acc = float(value)
+        except ValueError:
+            acc = -1.0
+        if not sep or config not in CONFIGS or config == "secagg" or not 0 < acc < 1:
+            parser.error(f"--target '{item}' is not CONFIG=ACC with CONFIG one of demo, hop-bound, hetero and ACC in (0, 1)")
+        out[config] = acc
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"only the runs the figures need (8), {QUICK_ROUNDS} rounds ({QUICK_SECAGG_ROUNDS} for "
+                             f"secagg) on {QUICK_MAX_EXAMPLES} examples: meant for <= 20 min on 2 idle cores")
+    parser.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="the preset every run starts from")
+    parser.add_argument("--model", default=None, help="the preset's model unless given; 'tiny' builds a tiny BERT here")
+    parser.add_argument("--rounds", type=int, default=None, help=f"rounds per run (default the preset's; --quick {QUICK_ROUNDS})")
+    parser.add_argument("--secagg-rounds", type=int, default=None,
+                        help=f"rounds of the secagg pair (default --rounds; --quick {QUICK_SECAGG_ROUNDS})")
+    parser.add_argument("--max-examples", type=int, default=None,
+                        help=f"dataset cap (default the preset's; --quick {QUICK_MAX_EXAMPLES})")
+    parser.add_argument("--local-steps", type=int, default=None, help="the fixed local steps (default the preset's)")
+    parser.add_argument("--hop-local-steps", type=int, default=2, help="the hop-bound configuration's local steps")
+    parser.add_argument("--max-local-steps", type=int, default=100, help="the most steps an auto round may train")
+    parser.add_argument("--round-seconds", type=float, default=None,
+                        help="the time budget of auto sides (default: calibrated from each configuration's reference)")
+    parser.add_argument("--wan", default="20mbit:100ms", help="the emulated link of the linked runs")
+    parser.add_argument("--hetero-workers", default="2,1", help="hetero: --workers-per-cluster")
+    parser.add_argument("--hetero-threads", default="2,1", help="hetero: --threads-per-cluster")
+    parser.add_argument("--secagg-clusters", type=int, default=3)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {','.join(CONFIGS)}")
+    parser.add_argument("--target", action="append", metavar="CONFIG=ACC",
+                        help="fix a configuration's target accuracy instead of choosing it from its reference run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="benchmarks/results/overlap")
+    args = parser.parse_args()
+    fixed_targets = _targets_arg(args.target, parser)
+    configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+    if not configs or any(c not in CONFIGS for c in configs):
+        parser.error(f"--configs '{args.configs}': use some of {', '.join(CONFIGS)}")
+    preset = RunConfig().replace(dict(PRESETS[args.preset]))
+    rounds = args.rounds or (QUICK_ROUNDS if args.quick else preset.federation.num_server_rounds)
+    secagg_rounds = args.secagg_rounds or (QUICK_SECAGG_ROUNDS if args.quick else rounds)
+    local_steps = args.local_steps or preset.train.local_steps or 10
+    max_examples = args.max_examples if args.max_examples is not None else (
+        QUICK_MAX_EXAMPLES if args.quick else preset.data.max_examples)
+    if rounds < 2 or secagg_rounds < 2:
+        parser.error("rounds must be 2 or more (the target is above round 1; secagg compares rounds 2..N)")
+    if min(local_steps, args.hop_local_steps, args.max_local_steps) < 1 or args.secagg_clusters < 3:
+        parser.error("step counts must be 1 or more and --secagg-clusters 3 or more (SecAgg+ needs 3 shares)")
+    if args.round_seconds is not None and not args.round_seconds > 0:
+        parser.error("--round-seconds must be > 0")
+    console = Console(highlight=False, width=200)
+    out = fresh_out(args.out)
+    model = args.model
+    if model == "tiny":
+        from nebula_fl.model.tiny import build_tiny_model
+
+        model = str(build_tiny_model(out / "tiny-model"))
+    sides = plan_sides(quick=args.quick, configs=configs, local_steps=local_steps, hop_local_steps=args.hop_local_steps,
+                       rounds=rounds, secagg_rounds=secagg_rounds, hetero_workers=args.hetero_workers,
+                       hetero_threads=args.hetero_threads, secagg_clusters=args.secagg_clusters)
+    console.print(f"{len(sides)} runs, one at a time: preset {args.preset}, model {args.model or 'the preset’s'}, "
+                  f"{rounds} rounds ({secagg_rounds} secagg), {local_steps} local steps ({args.hop_local_steps} "
+                  f"hop-bound), {max_examples or 'all'} examples, seed {args.seed}, link {args.wan}")
+    started = time.monotonic()
+    runs: dict[str, dict] = {}
+    budgets: dict[str, float | None] = {}
+    notes: list[str] = []
+    for n, side in enumerate(sides, start=1):
+        budget = (args.round_seconds or budgets.get(side.config)) if side.auto else None
+        if side.auto and budget is None:
+            notes.append(f"{side.key}: skipped, no round-seconds (its reference did not run or timed no training)")
+            console.print(f"[red]{side.key} skipped:[/red] {notes[-1]}")
+            continue
+        extra = [f"max-examples={max_examples}", "eval-initial=false", f"max-local-steps={args.max_local_steps}"]
+        extra += [f"round-seconds={max(budget, 0.01):.3f}"] if budget else []
+        extra += [f'model="{model}"'] if model else []
+        cmd = side_command(side, preset=args.preset, seed=args.seed, wan=args.wan, run_config=" ".join(extra))
+        folder = out / side.key.replace("/", "-")
+        console.print(f"[bold]{n}/{len(sides)} {side.key}[/bold]" + (f", round-seconds {budget:.2f}" if side.auto else "")
+                      + f" ({time.monotonic() - started:.0f} s so far)")
+        launched = time.monotonic()
+        try:
+            _, lines = run_federation(cmd, folder=folder, log=folder.parent / f"{folder.name}.log")
+        except SystemExit as err:  # a failed run stops only itself: its figures are null, the reason a note
+            notes.append(f"{side.key}: {err}")
+            console.print(f"[red]{side.key} failed:[/red] {err}")
+            continue
+        run = {"key": side.key, "side": asdict(side), "round_seconds": budget,
+               "command": shlex.join(cmd), "folder": str(folder), "command_seconds": time.monotonic() - launched,
+               "rounds": records_from_lines(lines)}
+        runs[side.key] = run
+        if side.reference:
+            budgets[side.config] = args.round_seconds or fastest_train_s(run["rounds"])
+        (out / "runs.json").write_text(json.dumps(runs, indent=1) + "\n")
+        accs = " ".join(_f(r["accuracy"]) for r in run["rounds"])
+        console.print(f"  accuracy by round {accs}; {run['command_seconds']:.0f} s")
+
+    targets: dict[str, dict[str, Any]] = {}
+    for config in dict.fromkeys(s.config for s in sides if s.config != "secagg"):
+        ref = next((s.key for s in sides if s.config == config and s.reference), None)
+        members = {k: r for k, r in runs.items() if r["side"]["config"] == config}
+        if config in fixed_targets:
+            value, how = fixed_targets[config], "fixed by --target"
+        elif ref in runs:
+            value = choose_target(runs[ref]["rounds"], [r["rounds"] for r in members.values()])
+            how = (f"the lowest accuracy {ref} reaches in a round >= 2 above every side's round-1 accuracy"
+                   if value is not None else f"none: {ref} never rose above every side's round-1 accuracy")
+        else:
+            value, how = None, f"none: {ref} did not run"
+        early = early_hits(members, value) if value is not None else []
+        if early:
+            notes.append(f"{config}: {', '.join(early)} reach the target {value:.4f} in round 1: its ratios say little")
+        targets[config] = {"value": value, "how": how, "reached_in_round_1": early}
+    target_of = {c: t["value"] for c, t in targets.items()}
+    values, why = figures(runs, target_of)
+    per_run = {key: {"side": run["side"], "rounds": len(run["rounds"]), "round_seconds": run["round_seconds"],
+                     "command_seconds": run["command_seconds"], "folder": run["folder"],
+                     **run_summary(run, target_of.get(run["side"]["config"]))} for key, run in runs.items()}
+    hetero_ref = runs.get("hetero/fixed@unthrottled")
+    results = {
+        "benchmark": "overlap", "machine": machine(), "command": shlex.join([sys.executable, *sys.argv]),
+        "settings": {"preset": args.preset, "model": args.model, "quick": args.quick, "rounds": rounds,
+                     "secagg_rounds": secagg_rounds, "local_steps": local_steps, "hop_local_steps": args.hop_local_steps,
+                     "max_local_steps": args.max_local_steps, "max_examples": max_examples, "wan": args.wan,
+                     "hetero_workers": args.hetero_workers, "hetero_threads": args.hetero_threads,
+                     "secagg_clusters": args.secagg_clusters, "seed": args.seed, "eval_initial": False},
+        "round_seconds": budgets, "targets": targets, **values, "why_null": why,
+        "goals": judge(values),
+        "hetero_seconds_per_step": seconds_per_step(hetero_ref["rounds"]) if hetero_ref else None,
+        "runs": per_run, "notes": notes, "benchmark_seconds": time.monotonic() - started,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(runs, results, out / "overlap_timeline.png", wan=args.wan)
+    console.print(runs_table(results))
+    for line in targets_lines(results):
+        console.print(line)
+    console.print(goals_table(results))
+    for note in notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    console.print(f"results: {out / 'results.json'}, plot: {out / 'overlap_timeline.png'} "
+                  f"({results['benchmark_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
