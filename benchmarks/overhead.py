@@ -6,13 +6,17 @@ Runs real federations (`nebula-fl run`: a SuperLink, SuperNodes, trainers, `flwr
 and SuperExec polls + the ClientApp process's start-up, compute, upload)
 and the framework overhead = round − slowest cluster's compute − its transfer − server evaluation.
 Reports per-phase medians against the goal `overhead_s_median` ≤ 6 s, of which ~3 s is the SuperNode's
-hard-coded idle poll (a message waits 0–3 s for it, 1.5 s on average, on the way in).
+hard-coded idle poll (a message waits 0–3 s for it, 1.5 s on average, on the way in). Also the clusters'
+utilisation, median over every (round, cluster) that reports it: `busy_fraction` (the share of the time between a
+cluster's two sends that it trained) and `idle_s` (the rest, the seconds its accelerator waited); a cluster's first
+round has no previous send and does not count.
 
 `--overlap both` runs the same federation with and without `eval-overlap` side by side (use it with a
 real model, e.g. `--model minilm --preset demo --rounds 5`, where evaluation takes seconds).
 
     .venv/bin/python benchmarks/overhead.py                 # ~2 min on 2 cores
     .venv/bin/python benchmarks/overhead.py --model minilm --preset demo --rounds 5 --overlap both
+    .venv/bin/python benchmarks/overhead.py --model minilm --preset demo --device cuda   # on a GPU machine
 
 Writes results.json and round_timeline.png under --out; prints a table.
 """
@@ -36,6 +40,7 @@ from rich.table import Table
 GOAL_OVERHEAD_S = 6.0
 SERVER_PHASES = ("configure_s", "push_s", "exchange_s", "aggregate_s", "evaluate_s", "checkpoint_s")
 CLUSTER_PHASES = ("pickup_s", "wait_s", "start_s", "compute_s", "train_s", "encode_s", "upload_s")
+UTILISATION = ("busy_fraction", "idle_s")  # per cluster in the timeline; the medians keep these names
 
 
 def machine() -> dict[str, Any]:
@@ -57,6 +62,10 @@ def medians(lines: list[dict[str, Any]]) -> dict[str, Any]:
         values = [c[key] for t in timelines for c in t["clusters"].values() if key in c]
         if values:
             out[f"cluster_{key}"] = statistics.median(values)
+    for key in UTILISATION:
+        values = [c[key] for t in timelines for c in t["clusters"].values() if key in c]
+        if values:
+            out[key] = statistics.median(values)
     slowest = [t["clusters"][t["slowest_cluster"]] for t in timelines if t.get("slowest_cluster") in t["clusters"]]
     for key in ("pickup_s", "wait_s", "start_s", "upload_s"):
         values = [c[key] for c in slowest if key in c]
@@ -106,9 +115,12 @@ def main() -> int:
     parser.add_argument("--preset", default="smoke", help="the nebula-fl preset the runs start from")
     parser.add_argument("--clusters", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--local-steps", type=int, default=2)
+    parser.add_argument("--local-steps", type=lambda v: v if v == "auto" else int(v), default=2,
+                        help="inner steps per round, or 'auto' (time-budgeted: where busy_fraction tells most)")
     parser.add_argument("--overlap", choices=("on", "off", "both"), default="on",
                         help="eval-overlap for the run(s); both = two runs side by side")
+    parser.add_argument("--device", help="passed to `nebula-fl run --device`: cpu or cuda, or one per cluster "
+                        "(e.g. cpu,cuda); default: nebula-fl run's own")
     parser.add_argument("--out", default="benchmarks/results/overhead")
     args = parser.parse_args()
     console = Console(highlight=False, width=150)
@@ -128,7 +140,7 @@ def main() -> int:
         launched = time.monotonic()
         _, lines = run_federation(
             ["--preset", args.preset, "--clusters", str(args.clusters), "--rounds", str(args.rounds),
-             "--local-steps", str(args.local_steps), "--port", "0",
+             "--local-steps", str(args.local_steps), "--port", "0", *(["--device", args.device] if args.device else []),
              "--run-config", f'model="{model}" eval-initial=false eval-overlap={str(overlap == "on").lower()}'],
             folder=folder, log=folder.with_suffix(".log"))
         runs[name] = lines
@@ -138,9 +150,10 @@ def main() -> int:
     first = figures[next(iter(figures))]
     results = {
         "benchmark": "overhead", "machine": machine(), "model": args.model, "preset": args.preset,
-        "clusters": args.clusters, "rounds": args.rounds, "local_steps": args.local_steps,
+        "clusters": args.clusters, "rounds": args.rounds, "local_steps": args.local_steps, "device": args.device,
         "overhead_s_median": first.get("overhead_s"), "goal_overhead_s": GOAL_OVERHEAD_S,
         "goal_met": first.get("overhead_s", float("inf")) <= GOAL_OVERHEAD_S,
+        **{f"{key}_median": {name: f.get(key) for name, f in figures.items()} for key in UTILISATION},
         "phase_medians": figures, "runs": runs, "benchmark_seconds": time.monotonic() - started,
     }
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -151,7 +164,7 @@ def main() -> int:
     table.add_column("phase")
     for name in figures:
         table.add_column(name, justify="right")
-    first_keys = ("command_wall_s", "final_accuracy", "period_s", "round_s", "overhead_s")
+    first_keys = ("command_wall_s", "final_accuracy", "period_s", "round_s", "overhead_s", *UTILISATION)
     keys = [*first_keys, *sorted({k for f in figures.values() for k in f} - set(first_keys))]
     for key in keys:
         table.add_row(key, *(f"{f[key]:.4g}" if isinstance(f.get(key), int | float) else "-" for f in figures.values()))

@@ -646,6 +646,10 @@ class RunConfig:
                      "the field encoding, secagg.bits, is the quantizer)")
             _require(not self.comm.adaptive, "comm.adaptive", "is true with secure aggregation",
                      "turn it off: every cluster of a round must send the same coordinates")
+            _require(self.train.local_steps is not None, "local-steps",
+                     "is \"auto\" with secagg.enabled, which is not supported (the server sees only the sum of the "
+                     "updates, so it cannot normalise clusters' different step counts, and a cluster's step count "
+                     "could reveal its data size under per-example DP)", "use a fixed local-steps")
             from nebula_fl.strategies import strategy_class
 
             _require(not strategy_class(self.outer.outer_optimizer).needs_individual_updates, "outer-optimizer",

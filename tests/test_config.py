@@ -65,3 +65,13 @@ def test_presets_are_valid_configs():
 def test_sections_are_frozen():
     with pytest.raises(FrozenInstanceError):
         RunConfig().train.lr = 1.0  # type: ignore[misc]
+
+
+def test_auto_local_steps_is_refused_with_secure_aggregation():
+    # the server sees only the sum under secure aggregation, so it cannot FedNova-normalise unequal step counts
+    with pytest.raises(ConfigError, match=r"'local-steps' is \"auto\" with secagg.enabled.*use a fixed local-steps") \
+            as err:
+        RunConfig.from_flat({"secagg.enabled": True, "comm.codec": "randk:0.1", "local-steps": "auto"})
+    assert "\n" not in str(err.value)
+    assert RunConfig.from_flat({"secagg.enabled": True, "comm.codec": "randk:0.1", "local-steps": 4}).train.local_steps == 4
+    assert RunConfig.from_flat({"local-steps": "auto"}).train.local_steps is None

@@ -50,7 +50,10 @@ BAD: dict[str, list] = {
     "lora-target-modules": ["", ",", " , ", "query\x00", "x" * 1025, *TEXT_BAD],
     "lora-mode": ["", "product", "frozen_a", "Standard", *TEXT_BAD],
     # train
-    "local-steps": [-1, 0, 1_000_001, *INT_BAD],
+    "local-steps": [-1, 0, 1_000_001, "Auto", "", *INT_BAD],
+    "max-local-steps": [-1, 0, 1_000_001, "auto", *INT_BAD],
+    "round-seconds": [-1, 0, 0.0, 86_401, "auto", *FLOAT_BAD],
+    "round-overlap": BOOL_BAD,
     "batch-size": [-1, 0, 65_537, *INT_BAD],
     "lr": [-1e-3, 0, 0.0, 10.5, *FLOAT_BAD],
     "weight-decay": [-1e-3, 11, *FLOAT_BAD],

@@ -108,8 +108,10 @@ def test_frozen_a_runs_end_to_end_and_sends_only_b_and_the_head(tiny_model, run_
 
 def test_interrupt_after_round_one_then_resume_loses_and_repeats_nothing(tiny_model, run_cli, tmp_path):
     # a lossy codec both ways: the resumed server must find each cluster's view (and each cluster its
-    # residual) again, or the first resumed round would compress another change and the adapters differ
-    lossy = ("--rounds", "3", "--codec", "topk:0.25+int4")
+    # residual) again, or the first resumed round would compress another change and the adapters differ;
+    # overlapped rounds: each cluster must also find the weights it rebased onto the last global, and what it
+    # trains ahead must not depend on when the next message came
+    lossy = ("--rounds", "3", "--codec", "topk:0.25+int4", "--round-overlap")
     out = tmp_path / "run"
     # evaluated while the next round trains (its record and checkpoint too); the reference below does not overlap
     overlapped = ["run", "--preset", "smoke", "--clusters", "2", "--port", "0", "--out", str(out),
@@ -130,6 +132,7 @@ def test_interrupt_after_round_one_then_resume_loses_and_repeats_nothing(tiny_mo
     assert summary["status"] == "completed" and summary["rounds_completed"] == 3
     assert rounds_of(out) == [1, 2, 3]
     assert json.loads((out / "config.json").read_text())["run_config"]["eval-overlap"] is True
+    assert json.loads((out / "config.json").read_text())["run_config"]["round-overlap"] is True
 
     # The same run, uninterrupted and not overlapped: the resumed federation ends on the very same adapter.
     reference = tmp_path / "reference"

@@ -83,8 +83,9 @@ def test_a_sigkilled_launcher_leaves_no_process_its_run_resumes_and_rewinds_past
 def test_a_killed_trainer_is_restarted_while_the_other_clusters_go_on(tiny_model, run_cli, tmp_path):
     out = tmp_path / "run"
     started = time.monotonic()
+    # overlapped rounds: the killed trainer loses what it trained ahead, and its restart resumes from its snapshot
     cli = run_cli("run", "--preset", "smoke", "--clusters", "3", "--rounds", "4", "--port", "0", "--out", str(out),
-                  "--run-config", f'model="{tiny_model}" {TINY}', name="restart")
+                  "--round-overlap", "--run-config", f'model="{tiny_model}" {TINY}', name="restart")
     assert cli.wait(400, until=lambda: len(rounds_of(out)) >= 1) == -1, cli.output()[-3000:]
     trainer = _find(cli, "nebula_fl trainer", "--cluster-id 1 ")
     supernode = _find(cli, "flower-supernode", "cluster-id=1")
@@ -127,3 +128,6 @@ def test_a_killed_trainer_is_restarted_while_the_other_clusters_go_on(tiny_model
     later = [x for x in lines[2:] if "1" in x["clusters"] and "1" not in x["rejected"]]
     assert later, "cluster 1 never trained again after its trainer was restarted"
     assert later[-1]["clusters"]["1"]["node_id"] == node_1  # the same SuperNode, a new trainer behind it
+    # overlapped: after round 1 every cluster's cycle is timed, and it trained through part of it
+    busy = [c["busy_fraction"] for x in lines[2:] for c in x["timeline"]["clusters"].values() if "busy_fraction" in c]
+    assert busy and all(0 < b <= 1 for b in busy)

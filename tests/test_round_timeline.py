@@ -9,7 +9,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
 from nebula_fl.config import OuterConfig
-from nebula_fl.server.timeline import cluster_phases, round_timeline
+from nebula_fl.server.timeline import cluster_phases, round_timeline, utilisation_note
 from nebula_fl.strategies import make_strategy
 from nebula_fl.strategies.adapter_strategy import to_numpy
 from nebula_fl.wan.proxy import _WireClock
@@ -139,3 +139,58 @@ def test_the_launcher_makes_flowers_superexec_poll_every_tenth_of_a_second_unles
     assert child_env(tmp_path)["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "0.1"
     monkeypatch.setenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.5")
     assert child_env(tmp_path)["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "0.5"
+
+
+def test_busy_fraction_and_idle_time_come_from_the_clusters_busy_and_since_send_seconds():
+    # 6 s of training in the 8 s since its previous send: 75 % busy, 2 s idle
+    assert cluster_phases(pushed_at=None, arrived_at=None, wire_s=None,
+                          metrics={"busy-seconds": 6.0, "since-send-seconds": 8.0}) == {"busy_fraction": 0.75,
+                                                                                        "idle_s": 2.0}
+    # busy past the interval (two clocks in the cluster): clamped to fully busy, never negative idle
+    assert cluster_phases(pushed_at=None, arrived_at=None, wire_s=None,
+                          metrics={"busy-seconds": 8.5, "since-send-seconds": 8.0}) == {"busy_fraction": 1.0,
+                                                                                        "idle_s": 0.0}
+    # a cluster's first round (no since-send-seconds), or a zero interval: nothing said
+    for metrics in ({"busy-seconds": 6.0}, {"since-send-seconds": 8.0}, {"busy-seconds": 0.0, "since-send-seconds": 0}):
+        assert cluster_phases(pushed_at=None, arrived_at=None, wire_s=None, metrics=metrics) == {}
+
+
+def test_the_round_keeps_the_least_busy_fraction_and_the_longest_idle_time():
+    clusters = {"0": {"compute_s": 6.0, "busy_fraction": 0.9, "idle_s": 1.0},
+                "1": {"compute_s": 8.0, "busy_fraction": 0.5, "idle_s": 0.5},  # 1 s busy of 1.5 s: idle 0.5 s
+                "2": {"compute_s": 1.0}}  # its first round: not counted
+    t = round_timeline(seconds=20.0, phases={}, clusters=clusters)
+    assert t["busy_fraction_min"] == 0.5 and t["idle_s_max"] == 1.0
+    assert utilisation_note(t) == "busy min 50%, idle max 1.0 s"
+    bare = round_timeline(seconds=20.0, phases={}, clusters={"2": {"compute_s": 1.0}})
+    assert "busy_fraction_min" not in bare and "idle_s_max" not in bare
+    assert utilisation_note(bare) == "busy n/a"
+
+
+def test_a_recorded_round_shows_utilisation_in_its_record_its_console_line_and_tensorboard(tmp_path, monkeypatch):
+    from nebula_fl.config import RunConfig
+    from nebula_fl.server import app
+    from nebula_fl.strategies.base import NodeTraffic, RoundOutcome
+    from tests.test_tensorboard import read_back
+
+    lines = []
+    monkeypatch.setattr(app, "log", lambda level, msg, *args: lines.append(msg % args))
+    run = app.ServerRun(RunConfig.from_flat({"out-dir": str(tmp_path / "run")}))
+    run._open()
+    run.metric, run.strategy = "accuracy", make_strategy(OuterConfig())
+    nodes = {11: NodeTraffic(metrics={"cluster-id": 0, "busy-seconds": 3.0, "since-send-seconds": 4.0}),
+             12: NodeTraffic(metrics={"cluster-id": 1, "busy-seconds": 9.0, "since-send-seconds": 10.0}),
+             13: NodeTraffic(metrics={"cluster-id": 2})}  # its first round
+    run._record_round(RoundOutcome(round=1, arrays=ArrayRecord({"w": Array(GLOBAL["w"])}), train_metrics=None,
+                                   eval_metrics=MetricRecord({"accuracy": 0.5, "loss": 1.0}), nodes=nodes,
+                                   rejected={}, seconds=12.0))
+    run.tensorboard.close()
+    timeline = run.folder.rounds()[-1]["timeline"]
+    assert timeline["clusters"]["0"] == {"busy_fraction": 0.75, "idle_s": 1.0}
+    assert timeline["clusters"]["1"] == {"busy_fraction": 0.9, "idle_s": 1.0}
+    assert timeline["clusters"]["2"] == {}
+    assert timeline["busy_fraction_min"] == 0.75 and timeline["idle_s_max"] == 1.0
+    assert lines[-1].startswith("round 1: accuracy 0.5000") and lines[-1].endswith(", busy min 75%, idle max 1.0 s")
+    got = read_back(run.folder.path / "tensorboard")
+    assert got["timeline/cluster_0/busy_fraction"] == {1: 0.75} and got["timeline/cluster_1/idle_s"] == {1: 1.0}
+    assert got["timeline/busy_fraction_min"] == {1: 0.75} and got["timeline/idle_s_max"] == {1: 1.0}

@@ -173,3 +173,16 @@ def test_bad_input_is_refused(tmp_path: Path) -> None:
     log.close()
     with pytest.raises(RuntimeError, match="closed"):
         log.write(ROUND_1)
+
+
+def test_utilisation_is_a_curve_per_cluster_and_for_the_round() -> None:
+    from nebula_fl.server.tensorboard import scalars
+
+    line = {"round": 3, "clusters": {"0": {"busy_seconds": 3.0, "since_send_seconds": 4.0}},
+            "timeline": {"round_s": 5.0, "busy_fraction_min": 0.75, "idle_s_max": 1.0,
+                         "clusters": {"0": {"busy_fraction": 0.75, "idle_s": 1.0}, "1": {}}}}
+    assert dict(scalars(line)) == {
+        "cluster_0/busy_seconds": 3.0, "cluster_0/since_send_seconds": 4.0,
+        "timeline/round_s": 5.0, "timeline/busy_fraction_min": 0.75, "timeline/idle_s_max": 1.0,
+        "timeline/cluster_0/busy_fraction": 0.75, "timeline/cluster_0/idle_s": 1.0,
+    }

@@ -78,13 +78,17 @@ def train_steps(
     device: torch.device,
     lr_at: Callable[[int], float] | None = None,
     loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor] = classification_loss,
+    keep_going: Callable[[int], bool] | None = None,
 ) -> list[float]:
-    """Run `steps` optimizer steps (step i at learning rate `lr_at(i)`) on the task's loss (`loss_fn`, a Task's
-    ``loss``); returns this worker's loss per step."""
+    """Run up to `steps` optimizer steps (step i at learning rate `lr_at(i)`) on the task's loss (`loss_fn`, a
+    Task's ``loss``), fewer when `keep_going(steps done)` says stop (a time budget); returns this worker's loss
+    per step."""
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     losses = []
     for i in range(steps):
+        if keep_going is not None and not keep_going(i):
+            break
         if lr_at is not None:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(i)

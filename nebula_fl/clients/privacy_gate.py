@@ -48,7 +48,7 @@ class PrivacyGate:
         q = sample_rate_for(self.num_examples, logical_batch=logical_batch(
             requested=asked.batch_size, num_examples=self.num_examples, batch_size=train.batch_size, world=world,
             private=asked.mode == "sample"))
-        planned = max(1, rounds) * (1 if asked.mode == "client" else train.local_steps)
+        planned = max(1, rounds) * (1 if asked.mode == "client" else train.steps_cap)
         accountant = self.policy.accountant
 
         def derive(target: float, delta: float, rate: float, steps: int) -> float:
@@ -56,7 +56,7 @@ class PrivacyGate:
 
         try:
             admission = admit(self.policy, request, num_examples=self.num_examples, sample_rate=q,
-                              steps=train.local_steps, planned_steps=planned, derive_sigma=derive)
+                              steps=train.steps_cap, planned_steps=planned, derive_sigma=derive)
         except ConfigError as err:  # e.g. a target ε no σ can reach
             return refuse(str(err))
         if not admission.allowed or admission.mode == "off":

@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nebula_fl.clients.exchange import Exchange, privatize_update
 from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr, train_steps
+from nebula_fl.clients.overlap import Ahead, ahead_usable, busy, rebased, steps_ahead, steps_on_arrival
 from nebula_fl.clients.reply_cache import FEDERATION_ID
 from nebula_fl.clients.snapshots import SnapshotStore
 from nebula_fl.config import ModelConfig, PrivacyConfig, TrainConfig
@@ -68,6 +69,12 @@ class ClusterTrainer:
         self.round: int | None = None  # last round trained with the in-memory state; None = nothing yet
         self.federation_id = ""
         self.tokenizer = None
+        self.anchor: Arrays | None = None  # overlapped rounds: the weights right after the last send
+        self.ahead = Ahead()  # trained since the last send, not yet sent
+        self.last_config: dict[str, Any] | None = None
+        self.last_admission: Admission | None = None
+        self.sent_at: float | None = None  # monotonic time of the last send (this process)
+        self.last_rounds = 1
 
     # -- collectives -------------------------------------------------------------------------------
     def agree(self, error: str | None) -> None:
@@ -80,24 +87,36 @@ class ClusterTrainer:
 
     # -- the round loop ----------------------------------------------------------------------------
     def train_round(self, config: dict[str, Any], payload: Arrays, admission: Admission) -> tuple[Arrays, dict[str, Any]]:
-        """Train `local-steps` from the global arrays; return (update, metrics). Same call on every rank.
+        """Train the round's steps from the global arrays (or, overlapped, from this cluster's own weights); return
+        (update, metrics). Same call on every rank.
 
         `admission` is the privacy gate's verdict (rank 0 decided it before the round reached the ranks):
         the mechanism to run, never the server's raw request.
         """
         server_round = int(config["server-round"])
         train_cfg, global_arrays, view = self._start_round(config, payload, admission)
-        if admission.mode != "off":
+        if admission.mode != "off" and self.ahead.steps == 0:
             # Every release draws fresh noise from the OS: replaying a round, or resuming, never repeats
             # (or lets anyone predict) a noise vector. Runs under DP are therefore not bit-reproducible.
             torch.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         started = time.monotonic()
-        losses = self._train(config, train_cfg, admission)
+        todo = steps_on_arrival(fixed=train_cfg.local_steps, ahead=self.ahead.steps, overlap=train_cfg.round_overlap)
+        losses = self.ahead.losses + self._train(
+            server_round, train_cfg, admission, first=self.ahead.steps,
+            count=train_cfg.steps_cap - self.ahead.steps if todo is None else todo,
+            seconds=train_cfg.round_seconds if todo is None else None)
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
         seconds = time.monotonic() - started
+        busy_s = seconds + self.ahead.seconds
         after = self.task.exchanged(self.model_core)
-        update = {k: (after[k] - np.asarray(global_arrays[k], dtype=np.float32)).astype(np.float32) for k in after}
+        base = self.anchor if self.anchor is not None else global_arrays
+        update = {k: (after[k] - np.asarray(base[k], dtype=np.float32)).astype(np.float32) for k in after}
+        if train_cfg.round_overlap:  # the progress just measured, kept on the new global (clients/overlap.py)
+            self.anchor = rebased(global_arrays, update)
+            self.task.load_exchanged(self.model_core, self.anchor)
+        else:
+            self.anchor = None
         privacy_metrics: dict[str, Any] = {}
         if admission.mode == "client" and self.ctx.rank == 0:
             update, privacy_metrics = privatize_update(update, admission)
@@ -107,19 +126,25 @@ class ClusterTrainer:
         out, encode_seconds = self._encode(update, config)
         self.exchange.keep_view(view, server_round)
         self.round = server_round
+        self.last_config, self.last_admission = config, admission
+        self.ahead = Ahead()
         self._save_snapshot()
+        now = time.monotonic()
+        since_send = None if self.sent_at is None else now - self.sent_at
+        self.sent_at = now
         sums = [float(g[1]) for g in gathered]
         metrics = {
             "cluster-id": self.ctx.cluster_id,
             "num-examples": len(self.ctx.shard),
-            "examples-seen": int(train_cfg.local_steps * self.logical_batch),  # expected, under sample DP
-            "steps": int(train_cfg.local_steps),
+            "examples-seen": int(len(losses) * self.logical_batch),  # expected, under sample DP
+            "steps": len(losses),
             "train-loss": float(np.mean([float(g[0]) for g in gathered])),
             "seconds": float(seconds),
             "encode-seconds": float(encode_seconds),
             "workers": int(self.ctx.world),
             "device": self.ctx.device.type,
             "rank-divergence": float(max(abs(s - sums[0]) for s in sums)),
+            **busy(busy_s=busy_s, since_send_s=since_send),
         }
         if self.up is not None and self.ctx.rank == 0:
             metrics["codec-up"] = self.up.describe()["spec"]
@@ -127,42 +152,109 @@ class ClusterTrainer:
         metrics.update(privacy_metrics)
         return out, metrics
 
+    # -- training ahead (overlapped rounds) --------------------------------------------------------
+    def wants_ahead(self) -> int:
+        """Steps to train now, between messages (rank 0 asks): none unless the last round overlaps, its state is
+        current and the run has rounds left."""
+        cfg = self.last_config
+        if (cfg is None or not self.state_valid or self.anchor is None or self.round is None
+                or self.round >= int(cfg.get("num-server-rounds", self.round + 1))):
+            return 0
+        train_cfg = TrainConfig.from_flat(cfg)
+        if not train_cfg.round_overlap:
+            return 0
+        cap = train_cfg.steps_cap
+        if self.last_admission is not None and self.last_admission.mode == "sample":
+            cap = min(cap, self.last_admission.steps)  # never more than the gate admitted per round
+        return steps_ahead(fixed=train_cfg.local_steps, cap=cap, ahead=self.ahead.steps)
+
+    def train_ahead(self, count: int) -> None:
+        """Train `count` steps of the next round now, under the last round's config and mechanism. Same call on
+        every rank; nothing is sent or charged until the next round's message (clients/overlap.py)."""
+        assert self.last_config is not None and self.round is not None
+        train_cfg = TrainConfig.from_flat(self.last_config)
+        admission = self.last_admission
+        if self.ahead.steps == 0:
+            self.ahead.admission = admission
+            if admission is not None and admission.mode != "off":
+                torch.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        started = time.monotonic()
+        self.ahead.losses += self._train(self.round + 1, train_cfg, admission, first=self.ahead.steps, count=count)
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        self.ahead.steps = len(self.ahead.losses)
+        self.ahead.seconds += time.monotonic() - started
+
     def _start_round(self, config: dict[str, Any], payload: Arrays, admission: Admission):
-        """Set up (once per federation), restore the state before this round, load the global arrays."""
+        """Set up (once per federation), restore the state before this round, load the global arrays (overlapped,
+        keep this cluster's own weights when what it trained ahead belongs to this round)."""
         error = None
         try:
             train_cfg = TrainConfig.from_flat(config)
             self.setup(config, admission)
-            self._restore_before(int(config["server-round"]), train_cfg)
+            server_round = int(config["server-round"])
+            self.last_rounds = int(config.get("num-server-rounds", server_round))
+            why = ahead_usable(self.ahead, server_round=server_round, last_round=self.round, asked=admission,
+                               cap=train_cfg.steps_cap)
+            if self.ahead.steps and not train_cfg.round_overlap:
+                why = "the round does not overlap"
+            if why:
+                if self.ctx.rank == 0:
+                    print(f"trainer {self.ctx.cluster_id}: {self.ahead.steps} step(s) trained ahead set aside ({why}); "
+                          "back to the last snapshot", flush=True)
+                self.state_valid = False
+            self._restore_before(server_round, train_cfg)
             self.base_lr = self.dp_lr if self.mode == "sample" else train_cfg.lr
             for group in self.optimizer.param_groups:
                 group["lr"], group["weight_decay"] = self.base_lr, train_cfg.weight_decay
             global_arrays, view = self.exchange.receive(config, payload)
-            self.task.load_exchanged(self.model_core, global_arrays)
+            if not train_cfg.round_overlap or self.round is None or self.round + 1 != server_round:
+                self.anchor = None  # overlap carries progress over one round only: further, start from the global
+            if self.ahead.steps == 0:  # else the model holds the anchor plus what was trained ahead
+                self.task.load_exchanged(self.model_core, global_arrays if self.anchor is None else self.anchor)
         except (NebulaError, ValueError, KeyError) as err:
             error = str(err) or type(err).__name__
         self.agree(error)
         return train_cfg, global_arrays, view
 
-    def _train(self, config: dict[str, Any], train_cfg: TrainConfig, admission: Admission) -> list[float]:
-        server_round = int(config["server-round"])
-        total_steps = max(1, int(config.get("num-server-rounds", server_round)) * train_cfg.local_steps)
-        done_before = (server_round - 1) * train_cfg.local_steps
+    def _train(self, server_round: int, train_cfg: TrainConfig, admission: Admission | None, *, first: int,
+               count: int, seconds: float | None = None) -> list[float]:
+        """Up to `count` steps of round `server_round`, its step `first` onwards; with `seconds`, stop once that
+        much time has passed (after one step at least; rank 0's clock decides for every rank)."""
+        cap = train_cfg.steps_cap
+        total_steps = max(1, int(self.last_rounds) * cap)
+        done_before = (server_round - 1) * cap + first
 
         def lr_at(i: int) -> float:
             return scheduled_lr(self.base_lr, progress=(done_before + i) / total_steps,
                                 schedule=train_cfg.lr_schedule, min_ratio=train_cfg.lr_min_ratio)
 
+        keep_going = None if seconds is None else self._deadline(seconds)
+        if count <= 0:
+            return []
         if self.mode == "sample":
             from nebula_fl.privacy.sample_dp import train_private_steps
 
             self.optimizer.noise_multiplier = admission.noise_multiplier
             self.optimizer.max_grad_norm = admission.max_grad_norm
-            return train_private_steps(self.private, self.batches, steps=train_cfg.local_steps,
-                                       device=self.ctx.device, lr_at=lr_at)
-        return train_steps(self.model, self.optimizer, self.data, self.schedule, steps=train_cfg.local_steps,
+            return train_private_steps(self.private, self.batches, steps=count, device=self.ctx.device, lr_at=lr_at,
+                                       keep_going=keep_going)
+        return train_steps(self.model, self.optimizer, self.data, self.schedule, steps=count,
                            max_grad_norm=train_cfg.max_grad_norm, device=self.ctx.device, lr_at=lr_at,
-                           loss_fn=self.task.loss)
+                           loss_fn=self.task.loss, keep_going=keep_going)
+
+    def _deadline(self, seconds: float):
+        """A step predicate for a time budget: true until `seconds` have passed on rank 0 (after the first step);
+        rank 0's answer is broadcast, so every rank takes the same number of steps."""
+        deadline = time.monotonic() + seconds
+
+        def keep_going(done: int) -> bool:
+            go = torch.tensor([int(done == 0 or time.monotonic() < deadline)], dtype=torch.int64)
+            if self.ctx.world > 1:
+                dist.broadcast(go, src=0, group=self.ctx.control)
+            return bool(go.item())
+
+        return keep_going
 
     def _encode(self, update: Arrays, config: dict[str, Any]) -> tuple[Arrays, float]:
         """Rank 0 encodes the update for the uplink; a failure fails the round on every rank, unkept."""
@@ -291,6 +383,7 @@ class ClusterTrainer:
         self.state_valid = True
         self.round = 0
         self.exchange.reset()
+        self.anchor, self.ahead = None, Ahead()
 
     # -- snapshots ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -301,6 +394,7 @@ class ClusterTrainer:
             "optimizer": self.optimizer.state_dict(),
             "schedule": self.schedule.state_dict(),
             "rng": torch.get_rng_state(),
+            "anchor": None if self.anchor is None else {k: torch.from_numpy(v.copy()) for k, v in self.anchor.items()},
             **self.exchange.state_dict(),
         }
 
@@ -309,6 +403,9 @@ class ClusterTrainer:
         self.schedule.load_state_dict(state["schedule"])
         torch.set_rng_state(state["rng"])
         self.round = int(state["round"])
+        anchor = state.get("anchor")
+        self.anchor = None if anchor is None else {k: v.numpy().copy() for k, v in anchor.items()}
+        self.ahead = Ahead()
         self.exchange.load_state_dict(state)
 
     def _save_snapshot(self) -> None:

@@ -16,6 +16,7 @@ records the release in the ledger and caches the reply before sending it.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import queue
@@ -38,6 +39,7 @@ from nebula_fl.errors import NebulaError
 from nebula_fl.privacy.cluster_ledger import LEDGER_FILE, ClusterLedger
 from nebula_fl.privacy.policy import POLICY_FILE, PrivacyPolicy, refuse
 
+AHEAD, ROUND = "ahead", "round"  # rank 0's commands to the other ranks
 CONTROL_TIMEOUT = timedelta(days=30)  # ranks >= 1 idle in a broadcast between rounds; rounds can be far apart
 MAX_FRAME = 1 << 31
 LOCK_FILE = "trainer.lock"
@@ -125,10 +127,13 @@ def _worker_main(rank: int, opts: TrainerOptions, init_file: str, parent: int) -
     if rank == 0:
         Boundary(opts, trainer).serve(TrainerListener(opts.socket_path))
     else:
-        while True:
+        while True:  # rank 0's commands: a round to train, or steps to train ahead between rounds
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=control)
-            config, arrays, admission = box[0]
+            if box[0][0] == AHEAD:
+                trainer.train_ahead(box[0][1])
+                continue
+            _, config, arrays, admission = box[0]
             try:
                 trainer.train_round(config, arrays, admission)
             except RequestError:
@@ -152,7 +157,7 @@ class Boundary:
     def serve(self, listener: TrainerListener) -> None:
         threading.Thread(target=self._accept_loop, args=(listener,), daemon=True, name="accept").start()
         while True:
-            conn, header = self.jobs.get()
+            conn, header = self._next_job()
             with conn:
                 frame = self._train(header)
                 try:
@@ -160,6 +165,20 @@ class Boundary:
                 except OSError as err:
                     _log(self.opts, f"could not send the reply (the ClientApp went away: {err}); it stays cached",
                          error=True)
+
+    def _next_job(self) -> tuple[Any, dict[str, Any]]:
+        """The next request; while none is waiting and the last round overlaps, the ranks train the next round's
+        steps ahead (clients/overlap.py): a GPU is not left idle through the network's hops."""
+        import torch.distributed as dist
+
+        while count := self.trainer.wants_ahead():
+            try:
+                return self.jobs.get_nowait()
+            except queue.Empty:
+                pass
+            dist.broadcast_object_list([(AHEAD, count)], src=0, group=self.trainer.ctx.control)
+            self.trainer.train_ahead(count)
+        return self.jobs.get()
 
     def _accept_loop(self, listener: TrainerListener) -> None:
         while True:
@@ -252,6 +271,11 @@ class Boundary:
             return pack({"ok": True, "metrics": self.gate.refusal(refuse(why), federation=fed,
                                                                    cluster_id=self.opts.cluster_id)})
         plan = None
+        if "secagg-epoch" in config and config.get("local-steps") == "auto":
+            # how many steps fit a time budget is a timing of this cluster's own, and under per-example DP (a
+            # logical batch of n/8) it grows with n: a masked round never says it
+            return self._error("local-steps = \"auto\" under secure aggregation: a cluster's step count could tell "
+                               "its data size; use a fixed local-steps")
         if "secagg-epoch" in config:  # a securely aggregated round: checked before anything is trained
             try:
                 plan = self.secagg.prepare(config)
@@ -263,17 +287,21 @@ class Boundary:
             _log(self.opts, f"round {rnd} declined ({admission.refusal}): {admission.reason}")
             return pack({"ok": True, "metrics": self.gate.refusal(admission, federation=fed,
                                                                    cluster_id=self.opts.cluster_id)})
-        dist.broadcast_object_list([(config, arrays, admission)], src=0, group=self.trainer.ctx.control)
+        dist.broadcast_object_list([(ROUND, config, arrays, admission)], src=0, group=self.trainer.ctx.control)
         try:
             update, metrics = self.trainer.train_round(config, arrays, admission)
+            if admission.mode == "sample":  # the steps actually taken (a time budget may take fewer than admitted)
+                admission = dataclasses.replace(admission, steps=int(metrics["steps"]))
             self.gate.charge(federation=fed, server_round=rnd, admission=admission)
             if plan is not None:
                 update = {"blob": self._masked(plan, config, update, admission)}
                 metrics["secagg-keys-held"] = int(self.secagg.holds_keys(fed, plan.epoch))
         except (RequestError, NebulaError) as err:
             return self._error(str(err))
-        _log(self.opts, f"round {rnd}: loss {metrics['train-loss']:.4f}, {metrics['seconds']:.1f} s, "
-                        f"rank divergence {metrics['rank-divergence']:g}")
+        cycle = metrics.get("since-send-seconds")
+        busy = f", busy {metrics['busy-seconds'] / cycle:.0%} of {cycle:.1f} s since the last send" if cycle else ""
+        _log(self.opts, f"round {rnd}: loss {metrics['train-loss']:.4f}, {metrics['steps']} step(s), "
+                        f"{metrics['seconds']:.1f} s{busy}, rank divergence {metrics['rank-divergence']:g}")
         if admission.mode != "off":  # only the noised update is protected: figures computed from the data stay here
             metrics = {k: v for k, v in metrics.items() if k not in DATA_DEPENDENT}
         metrics.update(self.gate.metrics(admission, federation=fed))

@@ -133,8 +133,8 @@ class Batches:
 
 
 def train_private_steps(training: PrivateTraining, batches: Batches, *, steps: int, device: torch.device,
-                        lr_at=None) -> list[float]:
-    """`steps` DP-SGD steps (logical batches); returns the mean loss of each (NaN for an empty Poisson batch).
+                        lr_at=None, keep_going=None) -> list[float]:
+    """`steps` DP-SGD steps (logical batches), fewer when `keep_going(steps done)` says stop; returns the mean loss of each (NaN for an empty Poisson batch).
 
     A logical batch arrives as one or more physical chunks; the optimizer steps (clip, sum, noise, update)
     only after the last one, which Opacus's splitting sampler signals. Each worker counts its own real steps,
@@ -145,7 +145,11 @@ def train_private_steps(training: PrivateTraining, batches: Batches, *, steps: i
     optimizer = training.optimizer
     losses: list[float] = []
     chunk_losses: list[tuple[float, int]] = []
+    starting = True  # the next chunk starts a logical batch
     while len(losses) < steps:
+        if starting and keep_going is not None and not keep_going(len(losses)):  # a time budget, per logical step
+            break
+        starting = False
         if lr_at is not None:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(len(losses))
@@ -163,4 +167,5 @@ def train_private_steps(training: PrivateTraining, batches: Batches, *, steps: i
             total = sum(n for _, n in chunk_losses)
             losses.append(sum(v * n for v, n in chunk_losses) / total if total else float("nan"))
             chunk_losses = []
+            starting = True
     return losses

@@ -25,7 +25,7 @@ from nebula_fl.server.evaluation import ServerEvaluator
 from nebula_fl.server.plots import plot_metric_vs_bytes
 from nebula_fl.server.run_folder import ADAPTER, MODEL, RunFolder, plot_name
 from nebula_fl.server.tensorboard import TensorBoardLog
-from nebula_fl.server.timeline import cluster_phases, round_timeline
+from nebula_fl.server.timeline import cluster_phases, round_timeline, utilisation_note
 from nebula_fl.server.wan_counters import WanCounters
 from nebula_fl.strategies import make_strategy
 from nebula_fl.strategies.adapter_strategy import to_numpy, to_record
@@ -310,8 +310,9 @@ class ServerRun:
             self.tensorboard.write(line)
         except Exception as err:  # curves are a view of metrics.jsonl: never a reason to fail a round
             log(WARNING, "could not write round %d to TensorBoard: %s", outcome.round, err)
-        log(INFO, "round %d: %s %.4f, loss %.4f, %d B up, %d B down, %.1f s", outcome.round, self.metric,
-            line.get(self.metric) or 0.0, line["loss"] or 0.0, up, down, outcome.seconds)
+        log(INFO, "round %d: %s %.4f, loss %.4f, %d B up, %d B down, %.1f s, %s", outcome.round, self.metric,
+            line.get(self.metric) or 0.0, line["loss"] or 0.0, up, down, outcome.seconds,
+            utilisation_note(line["timeline"]))
 
     @staticmethod
     def _wan_totals(previous: list[dict[str, Any]], wan: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -8,7 +8,8 @@ value with ``global_step`` = the round number, under a tag grouped by what it me
 - ``time/`` round_seconds, elapsed_seconds; any other numeric top-level field lands under ``round/``;
 - ``cluster_<id>/<key>`` each cluster's numeric fields (bytes, seconds, losses, steps, ...);
 - ``privacy/``, ``secagg/``, ``timeline/`` the numeric leaves of those objects, with per-cluster ones under
-  ``timeline/cluster_<id>/<key>`` (and likewise for any nested ``clusters`` object).
+  ``timeline/cluster_<id>/<key>`` (and likewise for any nested ``clusters`` object): among them each cluster's
+  ``busy_fraction`` and ``idle_s`` and the round's ``timeline/busy_fraction_min`` and ``timeline/idle_s_max``.
 
 Booleans, None, strings and identifiers (``*_id``, wall-clock ``*_at`` stamps) are not curves and are skipped,
 so a round without evaluation or privacy writes what it has. Each write is flushed: a run that crashes keeps

@@ -3,7 +3,8 @@
 A round: sample clusters, send each the global adapter and the round's config, take back each
 cluster's *update* (its adapter after local training minus the global one it received), refuse any
 update that does not match the global adapter, average the rest weighted by the clusters' example
-counts, and let the outer optimizer turn that mean into the next global adapter.
+counts, and let the outer optimizer turn that mean into the next global adapter. Clusters that trained
+different numbers of local steps (`local-steps = "auto"`) have their updates FedNova-normalised first.
 
 A strategy may replace the average (``aggregate_updates``, e.g. a robust trimmed mean); one that needs the
 updates one by one says so (``needs_individual_updates``), since secure aggregation shows the server only
@@ -25,7 +26,7 @@ from flwr.supercore import log
 
 from nebula_fl.comm.validation import check_arrays
 from nebula_fl.errors import ConfigError
-from nebula_fl.strategies.aggregation import weighted_mean
+from nebula_fl.strategies.aggregation import scale_updates, step_scales, weighted_mean
 from nebula_fl.strategies.base import NebulaStrategy
 
 Arrays = dict[str, np.ndarray]
@@ -158,8 +159,29 @@ class AdapterStrategy(NebulaStrategy):
         losses = [(c.weight, c.metrics.get("train-loss")) for c in contributions]
         loss = (float(sum(w * x for w, x in losses) / sum(weights))
                 if all(isinstance(x, int | float) for _, x in losses) else None)
-        mean = self.aggregate_updates([c.update for c in contributions], weights)
-        return self._outer_update(mean, weight=sum(weights), count=len(contributions), train_loss=loss)
+        updates, normalization = self.normalize_steps(contributions)
+        mean = self.aggregate_updates(updates, weights)
+        return self._outer_update(mean, weight=sum(weights), count=len(contributions), train_loss=loss,
+                                  extra=normalization)
+
+    @staticmethod
+    def normalize_steps(contributions: list[Contribution]) -> tuple[list[Arrays], dict[str, float]]:
+        """The updates to aggregate, FedNova-normalised when the clusters trained different step counts.
+
+        Under `local-steps = "auto"` a faster cluster trains more steps, and the plain mean would weigh its
+        data more (objective inconsistency, aggregation.step_scales). Each update is pre-scaled by
+        tau_eff / tau_i here, before ``aggregate_updates``, so a plug-in aggregator (a trimmed mean) gets the
+        normalised updates too. Only when every contribution reports a positive `steps` and they differ;
+        otherwise the updates pass unchanged and no metric is added.
+        """
+        updates = [c.update for c in contributions]
+        steps = [c.metrics.get("steps") for c in contributions]
+        usable = all(isinstance(s, int | float) and not isinstance(s, bool) and np.isfinite(s) and s > 0
+                     for s in steps)
+        if not usable or len(set(steps)) < 2:
+            return updates, {}
+        tau_eff, scales = step_scales(weights=[c.weight for c in contributions], steps=steps)
+        return scale_updates(updates, scales), {"steps-normalized": 1, "tau-eff": tau_eff}
 
     def apply_mean(self, mean: Arrays, *, weight: float, count: int,
                    train_loss: float | None = None) -> tuple[ArrayRecord | None, MetricRecord]:
@@ -169,8 +191,8 @@ class AdapterStrategy(NebulaStrategy):
                               "shows the server only their sum; turn secagg.enabled off or use a mean-based optimizer")
         return self._outer_update(mean, weight=weight, count=count, train_loss=train_loss)
 
-    def _outer_update(self, mean: Arrays, *, weight: float, count: int,
-                      train_loss: float | None = None) -> tuple[ArrayRecord | None, MetricRecord]:
+    def _outer_update(self, mean: Arrays, *, weight: float, count: int, train_loss: float | None = None,
+                      extra: dict[str, float] | None = None) -> tuple[ArrayRecord | None, MetricRecord]:
         if count < self.min_updates or self.current is None:
             return None, MetricRecord({"clusters": count})
         check_arrays(expected={k: v.shape for k, v in self.current.items()}, arrays=mean, what="mean update")
@@ -182,6 +204,7 @@ class AdapterStrategy(NebulaStrategy):
         }
         if train_loss is not None:
             metrics["train-loss"] = train_loss
+        metrics.update(extra or {})
         return to_record(self.current), MetricRecord(metrics)
 
     def configure_evaluate(
