@@ -375,6 +375,8 @@ def targets_lines(results: dict[str, Any]) -> list[str]:
 
 
 def plot(runs: dict[str, dict], results: dict[str, Any], path: Path, *, wan: str) -> None:
+    """Row 1, per configuration and link: accuracy against the ServerApp's clock, a line per side, the target.
+    Row 2, per demo run at the link (`wan`: its spec, for the titles): busy vs idle per cluster and round."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -383,8 +385,7 @@ def plot(runs: dict[str, dict], results: dict[str, Any], path: Path, *, wan: str
     groups: dict[str, list[str]] = {}
     for key, run in runs.items():
         groups.setdefault(f"{run['side']['config']} @ {run['side']['link']}", []).append(key)
-    busy_keys = [k for k in (f"demo/blocking@{wan}", f"demo/overlapped@{wan}", f"demo/overlapped-auto@{wan}")
-                 if k in runs]
+    busy_keys = [k for k in ("demo/blocking@wan", "demo/overlapped@wan", "demo/overlapped-auto@wan") if k in runs]
     cols = max(len(groups), len(busy_keys), 1)
     fig, axes = plt.subplots(2, cols, figsize=(5 * cols, 8), dpi=110, squeeze=False)
     for ax, (title, keys) in zip(axes[0], groups.items()):
