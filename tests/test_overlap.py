@@ -65,7 +65,7 @@ def test_config_takes_auto_steps_and_says_what_is_wrong():
     assert RunConfig.from_flat({"local-steps": 5}).train.steps_cap == 5
     with pytest.raises(ConfigError, match="round-seconds"):
         RunConfig.from_flat({"round-seconds": 0})
-    with pytest.raises(ConfigError, match="local-steps.*auto"):
+    with pytest.raises(ConfigError, match=r"local-steps.*auto"):
         RunConfig.from_flat({"local-steps": 0})
 
 
@@ -114,7 +114,7 @@ def test_fixed_overlap_is_the_same_whatever_the_timing_and_resumes_exactly(tmp_p
     on = {"round-overlap": True}
     proc, sock = start(tmp_path, tiny_model, "slow")
     try:
-        g_slow, slow, m_slow = rounds(sock, make, make.start, 3, pause=4.0, **on)  # the hop: time to train ahead
+        _, slow, m_slow = rounds(sock, make, make.start, 3, pause=4.0, **on)  # the hop: time to train ahead
     finally:
         stop_trainer(proc)
     proc, sock = start(tmp_path, tiny_model, "fast", state="fast")
