@@ -65,7 +65,7 @@ def test_config_takes_auto_steps_and_says_what_is_wrong():
     assert RunConfig.from_flat({"local-steps": 5}).train.steps_cap == 5
     with pytest.raises(ConfigError, match="round-seconds"):
         RunConfig.from_flat({"round-seconds": 0})
-    with pytest.raises(ConfigError, match="local-steps.*auto"):
+    with pytest.raises(ConfigError, match=r"local-steps.*auto"):
         RunConfig.from_flat({"local-steps": 0})
 
 
@@ -114,7 +114,7 @@ def test_fixed_overlap_is_the_same_whatever_the_timing_and_resumes_exactly(tmp_p
     on = {"round-overlap": True}
     proc, sock = start(tmp_path, tiny_model, "slow")
     try:
-        g_slow, slow, m_slow = rounds(sock, make, make.start, 3, pause=4.0, **on)  # the hop: time to train ahead
+        _, slow, m_slow = rounds(sock, make, make.start, 3, pause=4.0, **on)  # the hop: time to train ahead
     finally:
         stop_trainer(proc)
     proc, sock = start(tmp_path, tiny_model, "fast", state="fast")
@@ -170,12 +170,22 @@ def test_time_budgeted_rounds_train_until_the_message_and_charge_the_steps_taken
 def test_steps_trained_ahead_under_another_mechanism_are_set_aside_not_released(tmp_path, tiny_model, make):
     dp = {"lora-mode": "standard", "privacy.mode": "sample", "privacy.noise-multiplier": 1.0,
           "privacy.max-grad-norm": 1.0, "privacy.accountant": "rdp", "privacy.delta": 1e-5, "round-overlap": True}
+    client = {**dp, "privacy.mode": "client", "privacy.max-grad-norm": 0.1, "privacy-sigma": 0.5,
+              "privacy-noise-shares": 1, "federation-id": "fedc"}
     proc, sock = start(tmp_path, tiny_model, "mech", workers=1)
     try:
         _, _, first = rounds(sock, make, make.start, 1, pause=3.0, **dp)
         _, _, second = rounds(sock, make, make.start, 1, first=2, **{**dp, "privacy.noise-multiplier": 2.0})
+        time.sleep(3.0)  # round 3 is trained ahead, but the server skips this cluster to round 4
+        _, _, fourth = rounds(sock, make, make.start, 1, first=4, **{**dp, "privacy.noise-multiplier": 2.0})
+        # client-level DP, overlapped: one clipped and noised release per round, what was trained ahead in it
+        _, sent, released = rounds(sock, make, make.start, 2, pause=3.0, **client)
     finally:
         stop_trainer(proc)
     log = (tmp_path / "mech.log").read_text()
     assert "set aside (the round's privacy mechanism differs" in log
+    assert "set aside (it was trained for round 3, this is round 4)" in log
     assert first[0]["dp-steps"] == 4 and second[0]["dp-steps"] == 8 and second[0]["steps"] == 4
+    assert fourth[0]["dp-steps"] == 12  # the set-aside steps were never charged, and never released
+    assert [m["dp-steps"] for m in released] == [1, 2] and released[1]["noise-std"] == pytest.approx(0.05)
+    assert all(np.linalg.norm(np.concatenate([v.ravel() for v in u.values()])) > 0.1 for u in sent)  # noise added

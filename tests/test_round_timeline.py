@@ -181,11 +181,14 @@ def test_a_recorded_round_shows_utilisation_in_its_record_its_console_line_and_t
     nodes = {11: NodeTraffic(metrics={"cluster-id": 0, "busy-seconds": 3.0, "since-send-seconds": 4.0}),
              12: NodeTraffic(metrics={"cluster-id": 1, "busy-seconds": 9.0, "since-send-seconds": 10.0}),
              13: NodeTraffic(metrics={"cluster-id": 2})}  # its first round
-    run._record_round(RoundOutcome(round=1, arrays=ArrayRecord({"w": Array(GLOBAL["w"])}), train_metrics=None,
+    normalized = MetricRecord({"clusters": 3, "steps-normalized": 1, "tau-eff": 6.5})
+    run._record_round(RoundOutcome(round=1, arrays=ArrayRecord({"w": Array(GLOBAL["w"])}), train_metrics=normalized,
                                    eval_metrics=MetricRecord({"accuracy": 0.5, "loss": 1.0}), nodes=nodes,
                                    rejected={}, seconds=12.0))
     run.tensorboard.close()
-    timeline = run.folder.rounds()[-1]["timeline"]
+    record = run.folder.rounds()[-1]
+    assert record["steps_normalized"] is True and record["tau_eff"] == 6.5  # FedNova said so in the record
+    timeline = record["timeline"]
     assert timeline["clusters"]["0"] == {"busy_fraction": 0.75, "idle_s": 1.0}
     assert timeline["clusters"]["1"] == {"busy_fraction": 0.9, "idle_s": 1.0}
     assert timeline["clusters"]["2"] == {}

@@ -270,6 +270,7 @@ class ServerRun:
             "train_loss": train.get("train-loss"),
             "clusters_aggregated": train.get("clusters"),
             "update_norm": train.get("update-norm"),
+            **({"steps_normalized": True, "tau_eff": train["tau-eff"]} if train.get("steps-normalized") else {}),
             "bytes_up": up,
             "bytes_down": down,
             "cumulative_bytes_up": cum_up + up,
