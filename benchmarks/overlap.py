@@ -407,26 +407,24 @@ def plot(runs: dict[str, dict], results: dict[str, Any], path: Path, *, wan: str
     for ax, key in zip(axes[1], busy_keys):
         rounds = runs[key]["rounds"]
         cids = sorted({cid for r in rounds for cid in r["clusters"]})
-        cells = [(r["round"], i, r["clusters"].get(cid, {})) for r in rounds for i, cid in enumerate(cids)]
-        seconds = all(c.get("busy_s") is not None and c.get("idle_s") is not None for _, _, c in cells) and cells
+        cells = [(r["round"], i, c) for r in rounds for i, cid in enumerate(cids)
+                 if (c := r["clusters"].get(cid, {})).get("busy_fraction") is not None]  # a first round has none
+        seconds = bool(cells) and all(c.get("busy_s") is not None and c.get("idle_s") is not None for _, _, c in cells)
         width = 0.8 / max(1, len(cids))
-        drawn = False
+        labelled: set[int] = set()
         for rnd, i, c in cells:
-            if seconds:
-                busy, idle = c["busy_s"], c["idle_s"]
-            elif c.get("busy_fraction") is not None:
-                busy, idle = c["busy_fraction"], 1 - c["busy_fraction"]
-            else:
-                continue
+            busy, idle = (c["busy_s"], c["idle_s"]) if seconds else (c["busy_fraction"], 1 - c["busy_fraction"])
             x = rnd + (i - (len(cids) - 1) / 2) * width
-            ax.bar(x, busy, width, color=f"C{i}", label=f"cluster {cids[i]} busy" if rnd == rounds[0]["round"] else None)
+            first = i not in labelled
+            labelled.add(i)
+            ax.bar(x, busy, width, color=f"C{i}", label=f"cluster {cids[i]} busy" if first else None)
             ax.bar(x, idle, width, bottom=busy, color=f"C{i}", alpha=0.25,
-                   label=f"cluster {cids[i]} idle" if rnd == rounds[0]["round"] else None)
-            drawn = True
+                   label=f"cluster {cids[i]} idle" if first else None)
+        ax.set_xticks([r["round"] for r in rounds])
         ax.set_title(f"{key.replace('@wan', '@' + wan)}: busy vs idle", fontsize=9)
         ax.set_xlabel("round")
         ax.set_ylabel("seconds since the last send" if seconds else "fraction of the time since the last send")
-        if drawn:
+        if cells:
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "no busy / idle time reported", ha="center", va="center", transform=ax.transAxes)

@@ -177,3 +177,15 @@ def test_tables_show_every_figure_and_say_why_one_is_missing():
     assert "never reached accuracy 0.8990" in text and "NO" in text
     assert "not in 3" in text and "blocking (ref)" in text and "20mbit:100ms" in text
     assert overlap.targets_lines(results)[0] == "demo: target 0.8990 (fixed by --target)"
+
+
+def test_the_timeline_png_is_drawn_from_synthetic_runs(tmp_path):
+    runs = _all_runs()
+    for key in ("demo/blocking@wan", "demo/overlapped@wan"):  # seconds for one, fractions only for the other
+        for r in runs[key]["rounds"][1:]:
+            for c in r["clusters"].values():
+                c.update(busy_s=c["busy_fraction"] * 10, idle_s=(1 - c["busy_fraction"]) * 10)
+    runs["demo/overlapped@wan"]["rounds"][2]["clusters"]["0"]["busy_s"] = None
+    results = {"targets": {"demo": {"value": 0.84}, "hop-bound": {"value": None}}}
+    overlap.plot(runs, results, tmp_path / "t.png", wan="20mbit:100ms")
+    assert (tmp_path / "t.png").stat().st_size > 10_000
