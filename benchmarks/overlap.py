@@ -204,6 +204,26 @@ def choose_target(reference: list[dict], sides: list[list[dict]]) -> float | Non
     return min(above) if above else None
 
 
+def pick_targets(sides: list[Side], runs: dict[str, dict], fixed: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Per configuration with a target (not secagg): its value (None: none could be chosen), how it was chosen,
+    and the runs that reach it in round 1 (they should be none)."""
+    targets: dict[str, dict[str, Any]] = {}
+    for config in dict.fromkeys(s.config for s in sides if s.config != "secagg"):
+        ref = next((s.key for s in sides if s.config == config and s.reference), None)
+        members = {k: r for k, r in runs.items() if r["side"]["config"] == config}
+        if config in fixed:
+            value, how = fixed[config], "fixed by --target"
+        elif ref in runs:
+            value = choose_target(runs[ref]["rounds"], [r["rounds"] for r in members.values()])
+            how = (f"the lowest accuracy {ref} reaches in a round >= 2 above every side's round-1 accuracy"
+                   if value is not None else f"none: {ref} never rose above every side's round-1 accuracy")
+        else:
+            value, how = None, f"none: {ref} did not run"
+        targets[config] = {"value": value, "how": how,
+                           "reached_in_round_1": early_hits(members, value) if value is not None else []}
+    return targets
+
+
 def early_hits(runs: dict[str, dict], target: float) -> list[str]:
     """The runs that reach `target` in round 1 (a target no side may reach by its first round)."""
     return [key for key, run in runs.items() if (hit := reach(run["rounds"], target)) is not None and hit["round"] <= 1]
@@ -567,22 +587,9 @@ def main() -> int:
         accs = " ".join(_f(r["accuracy"]) for r in run["rounds"])
         console.print(f"  accuracy by round {accs}; {run['command_seconds']:.0f} s")
 
-    targets: dict[str, dict[str, Any]] = {}
-    for config in dict.fromkeys(s.config for s in sides if s.config != "secagg"):
-        ref = next((s.key for s in sides if s.config == config and s.reference), None)
-        members = {k: r for k, r in runs.items() if r["side"]["config"] == config}
-        if config in fixed_targets:
-            value, how = fixed_targets[config], "fixed by --target"
-        elif ref in runs:
-            value = choose_target(runs[ref]["rounds"], [r["rounds"] for r in members.values()])
-            how = (f"the lowest accuracy {ref} reaches in a round >= 2 above every side's round-1 accuracy"
-                   if value is not None else f"none: {ref} never rose above every side's round-1 accuracy")
-        else:
-            value, how = None, f"none: {ref} did not run"
-        early = early_hits(members, value) if value is not None else []
-        if early:
-            notes.append(f"{config}: {', '.join(early)} reach the target {value:.4f} in round 1: its ratios say little")
-        targets[config] = {"value": value, "how": how, "reached_in_round_1": early}
+    targets = pick_targets(sides, runs, fixed_targets)
+    notes += [f"{config}: {', '.join(t['reached_in_round_1'])} reach the target {t['value']:.4f} in round 1: its "
+              "ratios say little" for config, t in targets.items() if t["reached_in_round_1"]]
     target_of = {c: t["value"] for c, t in targets.items()}
     values, why = figures(runs, target_of)
     per_run = {key: {"side": run["side"], "rounds": len(run["rounds"]), "round_seconds": run["round_seconds"],

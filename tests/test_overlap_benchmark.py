@@ -189,3 +189,17 @@ def test_the_timeline_png_is_drawn_from_synthetic_runs(tmp_path):
     results = {"targets": {"demo": {"value": 0.84}, "hop-bound": {"value": None}}}
     overlap.plot(runs, results, tmp_path / "t.png", wan="20mbit:100ms")
     assert (tmp_path / "t.png").stat().st_size > 10_000
+
+
+def test_targets_per_configuration_chosen_fixed_or_missing():
+    sides = overlap.plan_sides(quick=True, configs=("demo", "hop-bound", "hetero", "secagg"), local_steps=10,
+                               hop_local_steps=2, rounds=3, secagg_rounds=3, hetero_workers="2,1", hetero_threads="2,1",
+                               secagg_clusters=3)
+    runs = _all_runs()
+    del runs["hetero/fixed@unthrottled"]
+    targets = overlap.pick_targets(sides, runs, {"hop-bound": 0.45})
+    assert set(targets) == {"demo", "hop-bound", "hetero"}
+    assert targets["demo"]["value"] == 0.85 and targets["demo"]["reached_in_round_1"] == []
+    assert targets["hop-bound"] == {"value": 0.45, "how": "fixed by --target",
+                                    "reached_in_round_1": ["hop-bound/blocking@wan", "hop-bound/overlapped-auto@wan"]}
+    assert targets["hetero"]["value"] is None and "did not run" in targets["hetero"]["how"]
