@@ -21,8 +21,8 @@ default), with equal inner steps per cluster wherever the mode fixes them. Four 
 
 The time budget (`round-seconds`: what a blocking auto round trains for, and an overlapped cluster's first
 round) is calibrated, unless `--round-seconds` is given, from the configuration's reference run (its
-blocking fixed-steps side, which runs first): the median over rounds of its fastest cluster's training
-seconds, so a budgeted round trains as long as the fastest cluster needed for the fixed steps.
+blocking fixed-steps side, which runs first): the median over rounds >= 2 (round 1 warms up) of its fastest
+cluster's training seconds, so a budgeted round trains as long as the fastest cluster needed for the fixed steps.
 
 Time to target is the ServerApp's clock (`elapsed_seconds` in metrics.jsonl) from its start to the end of
 the evaluation of the first round whose server accuracy reaches the target. The target is chosen once per
@@ -247,8 +247,10 @@ def median_steps(rounds: list[dict]) -> float | None:
 
 
 def fastest_train_s(rounds: list[dict]) -> float | None:
-    """Median over rounds of the fastest cluster's training seconds: the calibrated `round-seconds`."""
-    per_round = [min(times) for r in rounds
+    """Median over rounds of the fastest cluster's training seconds: the calibrated `round-seconds`. Rounds >= 2
+    when there are any (round 1 holds the first steps' warm-up)."""
+    timed = [r for r in rounds if r["round"] >= 2] or rounds
+    per_round = [min(times) for r in timed
                  if (times := [c["train_s"] for c in r["clusters"].values() if c.get("train_s")])]
     return statistics.median(per_round) if per_round else None
 
@@ -270,12 +272,13 @@ def final_accuracy(rounds: list[dict]) -> float | None:
 def target_ratio(runs: dict[str, dict], numerator: str, denominator: str,
                  target: float | None) -> tuple[float | None, str | None]:
     """Time to target of `numerator` / `denominator` (run keys), or None and why."""
+    missing = [key for key in (numerator, denominator) if key not in runs]
+    if missing:
+        return None, f"{missing[0]} did not run"
     if target is None:
         return None, f"no target for {denominator.split('/')[0]} (see targets)"
     times = {}
     for key in (numerator, denominator):
-        if key not in runs:
-            return None, f"{key} did not run"
         times[key] = time_to_target(runs[key]["rounds"], target)
         if times[key] is None:
             return None, f"{key} never reached accuracy {target:.4f} in {len(runs[key]['rounds'])} rounds"
@@ -304,7 +307,8 @@ def figures(runs: dict[str, dict], targets: dict[str, float | None], *, wan: str
     blocking, overlapped = runs.get(f"demo/blocking@{wan}"), runs.get(f"demo/overlapped@{wan}")
     finals = [final_accuracy(r["rounds"]) if r else None for r in (blocking, overlapped)]
     if None in finals:
-        put("accuracy_gap_points", (None, f"demo at {wan}: blocking or overlapped did not run or has no accuracy"))
+        put("accuracy_gap_points", (None, f"demo/blocking@{wan} or demo/overlapped@{wan} did not run or has no "
+                                          "accuracy"))
     else:
         put("accuracy_gap_points", (100.0 * (finals[0] - finals[1]), None))
     out["busy_fraction"] = {name: median_busy(runs[key]["rounds"]) if key in runs else None

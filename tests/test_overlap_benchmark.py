@@ -154,6 +154,8 @@ def test_a_side_that_never_reaches_the_target_gives_null_not_a_number():
 def test_calibration_and_per_step_times():
     _, r = run("hetero", "fixed", [0.5, 0.6, 0.7], train_s=[4.0, 16.0], steps=8)
     assert overlap.fastest_train_s(r["rounds"]) == 4.0
+    r["rounds"][0]["clusters"]["0"]["train_s"] = 1.0  # round 1 (warm-up) only counts when it is the only one
+    assert overlap.fastest_train_s(r["rounds"]) == 4.0 and overlap.fastest_train_s(r["rounds"][:1]) == 1.0
     assert overlap.seconds_per_step(r["rounds"]) == {"0": 0.5, "1": 2.0}
     assert overlap.median_round_s(r["rounds"]) == 10.0 and overlap.median_steps(r["rounds"]) == 8
 
