@@ -197,3 +197,20 @@ def test_a_recorded_round_shows_utilisation_in_its_record_its_console_line_and_t
     got = read_back(run.folder.path / "tensorboard")
     assert got["timeline/cluster_0/busy_fraction"] == {1: 0.75} and got["timeline/cluster_1/idle_s"] == {1: 1.0}
     assert got["timeline/busy_fraction_min"] == {1: 0.75} and got["timeline/idle_s_max"] == {1: 1.0}
+
+
+def test_the_run_table_shows_the_least_busy_cluster_of_each_round_when_the_clusters_timed_it():
+    from rich.console import Console
+
+    from nebula_fl.launcher.report import results_table
+
+    def render(rounds):
+        console = Console(width=200, record=True)
+        console.print(results_table(rounds))
+        return console.export_text()
+
+    timed = [{"round": 1, "accuracy": 0.5, "clusters": {}, "timeline": {}},
+             {"round": 2, "accuracy": 0.6, "clusters": {}, "timeline": {"busy_fraction_min": 0.934}}]
+    text = render(timed)
+    assert "busy (min)" in text and "93%" in text
+    assert "busy (min)" not in render([{"round": 1, "accuracy": 0.5, "clusters": {}, "timeline": {}}])

@@ -140,6 +140,28 @@ def _worker_main(rank: int, opts: TrainerOptions, init_file: str, parent: int) -
                 pass
 
 
+class Answer(Exception):
+    """Ends a round's pipeline early with this frame (a refusal, a replayed reply)."""
+
+    def __init__(self, frame: bytes) -> None:
+        super().__init__("a round answered early")
+        self.frame = frame
+
+
+@dataclass
+class Round:
+    """One train request on its way through the cluster's pipeline (``Boundary._train``)."""
+
+    config: dict[str, Any]
+    arrays: dict[str, Any]
+    federation: str
+    number: int
+    plan: Any = None  # secure aggregation's plan for the round (clients/secagg_stage.py), when it is masked
+    admission: Any = None  # the privacy gate's verdict
+    update: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
 class Boundary:
     """Rank 0: the only way into the cluster, and the only way anything leaves it."""
 
@@ -243,74 +265,123 @@ class Boundary:
         return pack({"ok": False, "error": text})
 
     def _train(self, header: dict[str, Any]) -> bytes:
+        """A round's path through the cluster, one named step each; a step that ends it raises `Answer`."""
+        try:
+            rnd = self._read(header)
+            self._replayed(rnd)
+            self._admit(rnd)
+            self._train_on_ranks(rnd)
+            self._charge(rnd)
+            self._mask(rnd)
+            return self._reply(rnd)
+        except Answer as answer:
+            return answer.frame
+
+    def _read(self, header: dict[str, Any]) -> Round:
+        """read: a config object, a federation id that can name a folder, a round number."""
+        config, arrays = header.get("config"), header.get("arrays", {})
+        if not isinstance(config, dict):
+            raise Answer(self._error("the request has no config object"))
+        fed, number = config.get("federation-id"), config.get("server-round")
+        if not isinstance(fed, str) or not FEDERATION_ID.fullmatch(fed):
+            raise Answer(self._error(f"federation id {fed!r} is not a plain name of letters, digits, '-' and '_'"))
+        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+            raise Answer(self._error(f"server-round {number!r} is not a round number (an integer >= 1)"))
+        return Round(config=config, arrays=arrays, federation=fed, number=number)
+
+    def _replayed(self, rnd: Round) -> None:
+        """replay: a round already released is answered with the very reply it was sent; the past is never
+        trained again."""
+        cached = self.cache.get(rnd.federation, rnd.number)
+        if cached:
+            _log(self.opts, f"round {rnd.number} of federation {rnd.federation} asked again: the reply it was sent, "
+                            "from the cache")
+            raise Answer(cached)
+        if cached is not None:
+            raise Answer(self._error(f"round {rnd.number} of federation {rnd.federation} was released already and its "
+                                     "reply is no longer kept; a round is never released twice"))
+        released = self.cache.released(rnd.federation)
+        if released and released[-1] > rnd.number:
+            raise Answer(self._error(f"round {rnd.number} of federation {rnd.federation} is older than round "
+                                     f"{released[-1]}, which this cluster already released; it never trains the past "
+                                     "again"))
+
+    def _admit(self, rnd: Round) -> None:
+        """admit: the operator's masking demand, the secure-aggregation checks, then the privacy gate (policy and
+        ledger) decide whether, and with which mechanism, the round runs."""
+        config = rnd.config
+        if why := self.secagg.requirement_refusal(config):  # the operator demands masking: refused as its policy
+            self._decline(rnd, refuse(why), "policy")
+        if "secagg-epoch" in config:  # a securely aggregated round: checked before anything is trained
+            if config.get("local-steps") == "auto":
+                # how many steps fit a time budget is a timing of this cluster's own, and under per-example DP (a
+                # logical batch of n/8) it grows with n: a masked round never says it
+                raise Answer(self._error("local-steps = \"auto\" under secure aggregation: a cluster's step count "
+                                         "could tell its data size; use a fixed local-steps"))
+            try:
+                rnd.plan = self.secagg.prepare(config)
+            except (SecAggRefusal, ValueError, KeyError, TypeError) as err:
+                raise Answer(self._error(f"secure aggregation: {err}")) from None
+        rnd.admission = self.gate.admit(config, world=self.opts.workers,
+                                        secure_threshold=None if rnd.plan is None else rnd.plan.threshold)
+        if not rnd.admission.allowed:
+            self._decline(rnd, rnd.admission, rnd.admission.refusal)
+
+    def _decline(self, rnd: Round, admission, why: str) -> None:
+        _log(self.opts, f"round {rnd.number} declined ({why}): {admission.reason}")
+        raise Answer(pack({"ok": True, "metrics": self.gate.refusal(admission, federation=rnd.federation,
+                                                                     cluster_id=self.opts.cluster_id)}))
+
+    def _train_on_ranks(self, rnd: Round) -> None:
+        """train: every rank, from the global (or, overlapped, its own rebased weights and what it trained ahead)."""
         import torch.distributed as dist
 
         from nebula_fl.clients.trainer import RequestError
 
-        config, arrays = header.get("config"), header.get("arrays", {})
-        if not isinstance(config, dict):
-            return self._error("the request has no config object")
-        fed, rnd = config.get("federation-id"), config.get("server-round")
-        if not isinstance(fed, str) or not FEDERATION_ID.fullmatch(fed):
-            return self._error(f"federation id {fed!r} is not a plain name of letters, digits, '-' and '_'")
-        if isinstance(rnd, bool) or not isinstance(rnd, int) or rnd < 1:
-            return self._error(f"server-round {rnd!r} is not a round number (an integer >= 1)")
-        cached = self.cache.get(fed, rnd)
-        if cached:
-            _log(self.opts, f"round {rnd} of federation {fed} asked again: the reply it was sent, from the cache")
-            return cached
-        if cached is not None:
-            return self._error(f"round {rnd} of federation {fed} was released already and its reply is no longer "
-                               "kept; a round is never released twice")
-        released = self.cache.released(fed)
-        if released and released[-1] > rnd:
-            return self._error(f"round {rnd} of federation {fed} is older than round {released[-1]}, which this "
-                               "cluster already released; it never trains the past again")
-        if why := self.secagg.requirement_refusal(config):  # the operator demands masking: refused as its policy
-            _log(self.opts, f"round {rnd} declined (policy): {why}")
-            return pack({"ok": True, "metrics": self.gate.refusal(refuse(why), federation=fed,
-                                                                   cluster_id=self.opts.cluster_id)})
-        plan = None
-        if "secagg-epoch" in config and config.get("local-steps") == "auto":
-            # how many steps fit a time budget is a timing of this cluster's own, and under per-example DP (a
-            # logical batch of n/8) it grows with n: a masked round never says it
-            return self._error("local-steps = \"auto\" under secure aggregation: a cluster's step count could tell "
-                               "its data size; use a fixed local-steps")
-        if "secagg-epoch" in config:  # a securely aggregated round: checked before anything is trained
-            try:
-                plan = self.secagg.prepare(config)
-            except (SecAggRefusal, ValueError, KeyError, TypeError) as err:
-                return self._error(f"secure aggregation: {err}")
-        admission = self.gate.admit(config, world=self.opts.workers,
-                                    secure_threshold=None if plan is None else plan.threshold)
-        if not admission.allowed:
-            _log(self.opts, f"round {rnd} declined ({admission.refusal}): {admission.reason}")
-            return pack({"ok": True, "metrics": self.gate.refusal(admission, federation=fed,
-                                                                   cluster_id=self.opts.cluster_id)})
-        dist.broadcast_object_list([(ROUND, config, arrays, admission)], src=0, group=self.trainer.ctx.control)
+        dist.broadcast_object_list([(ROUND, rnd.config, rnd.arrays, rnd.admission)], src=0,
+                                   group=self.trainer.ctx.control)
         try:
-            update, metrics = self.trainer.train_round(config, arrays, admission)
-            if admission.mode == "sample":  # the steps actually taken (a time budget may take fewer than admitted)
-                admission = dataclasses.replace(admission, steps=int(metrics["steps"]))
-            self.gate.charge(federation=fed, server_round=rnd, admission=admission)
-            if plan is not None:
-                update = {"blob": self._masked(plan, config, update, admission)}
-                metrics["secagg-keys-held"] = int(self.secagg.holds_keys(fed, plan.epoch))
+            rnd.update, rnd.metrics = self.trainer.train_round(rnd.config, rnd.arrays, rnd.admission)
         except (RequestError, NebulaError) as err:
-            return self._error(str(err))
-        cycle = metrics.get("since-send-seconds")
-        busy = f", busy {metrics['busy-seconds'] / cycle:.0%} of {cycle:.1f} s since the last send" if cycle else ""
-        _log(self.opts, f"round {rnd}: loss {metrics['train-loss']:.4f}, {metrics['steps']} step(s), "
-                        f"{metrics['seconds']:.1f} s{busy}, rank divergence {metrics['rank-divergence']:g}")
-        if admission.mode != "off":  # only the noised update is protected: figures computed from the data stay here
-            metrics = {k: v for k, v in metrics.items() if k not in DATA_DEPENDENT}
-        metrics.update(self.gate.metrics(admission, federation=fed))
-        if plan is not None:
-            metrics = in_the_clear(metrics, mode=admission.mode)
-        frame = pack({"ok": True, "metrics": metrics}, update)
-        self.cache.put(fed, rnd, frame)
-        return frame
+            raise Answer(self._error(str(err))) from None
+        m = rnd.metrics
+        cycle = m.get("since-send-seconds")
+        busy = f", busy {m['busy-seconds'] / cycle:.0%} of {cycle:.1f} s since the last send" if cycle else ""
+        _log(self.opts, f"round {rnd.number}: loss {m['train-loss']:.4f}, {m['steps']} step(s), {m['seconds']:.1f} s"
+                        f"{busy}, rank divergence {m['rank-divergence']:g}")
 
+    def _charge(self, rnd: Round) -> None:
+        """charge: the release goes into the ledger before anything leaves, with the steps actually taken (a time
+        budget may take fewer than the gate admitted)."""
+        if rnd.admission.mode == "sample":
+            rnd.admission = dataclasses.replace(rnd.admission, steps=int(rnd.metrics["steps"]))
+        try:
+            self.gate.charge(federation=rnd.federation, server_round=rnd.number, admission=rnd.admission)
+        except NebulaError as err:  # a ledger that cannot be written: nothing leaves
+            raise Answer(self._error(str(err))) from None
+
+    def _mask(self, rnd: Round) -> None:
+        """mask: a securely aggregated round's update leaves only masked, its reply says only what is harmless."""
+        if rnd.plan is None:
+            return
+        try:
+            rnd.update = {"blob": self._masked(rnd.plan, rnd.config, rnd.update, rnd.admission)}
+        except (SecAggRefusal, NebulaError, ValueError) as err:
+            raise Answer(self._error(str(err))) from None
+        rnd.metrics["secagg-keys-held"] = int(self.secagg.holds_keys(rnd.federation, rnd.plan.epoch))
+
+    def _reply(self, rnd: Round) -> bytes:
+        """cache and reply: under DP the figures computed from the data stay here; the frame is cached before it
+        is sent, so a repeated request gets these very bytes."""
+        metrics = rnd.metrics
+        if rnd.admission.mode != "off":  # only the noised update is protected
+            metrics = {k: v for k, v in metrics.items() if k not in DATA_DEPENDENT}
+        metrics.update(self.gate.metrics(rnd.admission, federation=rnd.federation))
+        if rnd.plan is not None:
+            metrics = in_the_clear(metrics, mode=rnd.admission.mode)
+        frame = pack({"ok": True, "metrics": metrics}, rnd.update)
+        self.cache.put(rnd.federation, rnd.number, frame)
+        return frame
 
     def _masked(self, plan, config: dict[str, Any], update: dict[str, Any], admission) -> Any:
         """The encoded update's coordinates (all of them, or random-k's), weighted, masked and packed."""

@@ -49,10 +49,16 @@ def results_table(rounds: Sequence[dict[str, Any]], *, initial: dict[str, Any] |
         table.add_column(name, justify="right")
     for cid in cluster_ids:
         table.add_column(f"cluster {cid} up / down", justify="right")
+    # the least busy cluster's share of its cycle spent training (where the clusters timed it): what the network
+    # and the server cost the accelerators that round
+    busy = any("busy_fraction_min" in line.get("timeline", {}) for line in rounds)
+    if busy:
+        table.add_column("busy (min)", justify="right")
     table.add_column("done at (s)", justify="right")  # run time when the round was recorded; rounds may overlap
     if initial:
         table.add_row("0", _fmt(initial.get("accuracy")), _fmt(initial.get("macro_f1")), _fmt(initial.get("loss")),
-                      *([_fmt(initial.get("perplexity"))] if perplexity else []), "-", *["-" for _ in cluster_ids], "-")
+                      *([_fmt(initial.get("perplexity"))] if perplexity else []), "-", *["-" for _ in cluster_ids],
+                      *(["-"] if busy else []), "-")
     for line in rounds:
         cells = []
         for cid in cluster_ids:
@@ -60,7 +66,9 @@ def results_table(rounds: Sequence[dict[str, Any]], *, initial: dict[str, Any] |
             cells.append(f"{human_bytes(c['bytes_up'])} / {human_bytes(c['bytes_down'])}" if c else "-")
         table.add_row(
             str(line["round"]), _fmt(line.get("accuracy")), _fmt(line.get("macro_f1")), _fmt(line.get("loss")),
-            *([_fmt(line.get("perplexity"))] if perplexity else []), _fmt(line.get("train_loss")), *cells, f"{line.get('elapsed_seconds', 0):.1f}",
+            *([_fmt(line.get("perplexity"))] if perplexity else []), _fmt(line.get("train_loss")), *cells,
+            *([_fmt(line.get("timeline", {}).get("busy_fraction_min"), ".0%")] if busy else []),
+            f"{line.get('elapsed_seconds', 0):.1f}",
         )
     return table
 
