@@ -247,10 +247,11 @@ class Boundary:
         if released and released[-1] > rnd:
             return self._error(f"round {rnd} of federation {fed} is older than round {released[-1]}, which this "
                                "cluster already released; it never trains the past again")
+        riding = self._answer_riding(header)  # round-overlap: the last round's unmask, whatever becomes of this one
         if why := self.secagg.requirement_refusal(config):  # the operator demands masking: refused as its policy
             _log(self.opts, f"round {rnd} declined (policy): {why}")
             return pack({"ok": True, "metrics": self.gate.refusal(refuse(why), federation=fed,
-                                                                   cluster_id=self.opts.cluster_id)})
+                                                                   cluster_id=self.opts.cluster_id), **riding})
         plan = None
         if "secagg-epoch" in config:  # a securely aggregated round: checked before anything is trained
             try:
@@ -262,7 +263,7 @@ class Boundary:
         if not admission.allowed:
             _log(self.opts, f"round {rnd} declined ({admission.refusal}): {admission.reason}")
             return pack({"ok": True, "metrics": self.gate.refusal(admission, federation=fed,
-                                                                   cluster_id=self.opts.cluster_id)})
+                                                                   cluster_id=self.opts.cluster_id), **riding})
         dist.broadcast_object_list([(config, arrays, admission)], src=0, group=self.trainer.ctx.control)
         try:
             update, metrics = self.trainer.train_round(config, arrays, admission)
@@ -279,10 +280,24 @@ class Boundary:
         metrics.update(self.gate.metrics(admission, federation=fed))
         if plan is not None:
             metrics = in_the_clear(metrics, mode=admission.mode)
-        frame = pack({"ok": True, "metrics": metrics}, update)
-        self.cache.put(fed, rnd, frame)
+        frame = pack({"ok": True, "metrics": metrics, **riding}, update)
+        self.cache.put(fed, rnd, frame)  # a replay of this round gets these bytes: the same unmask answer too
         return frame
 
+    def _answer_riding(self, header: dict[str, Any]) -> dict[str, Any]:
+        """{"secagg": answer} when the request carries the last round's unmask request (round-overlap), else {}.
+
+        Answered by the stage (its every check, `SecAggStage.answer_riding`) before this round is checked or
+        trained, so a round refused by the policy or the gate still carries it back; a cached round is answered
+        from the cache before this runs, with the answer it carried the first time."""
+        if header.get("secagg") is None:
+            return {}
+        answer = self.secagg.answer_riding(header["secagg"])
+        request = header["secagg"] if isinstance(header["secagg"], dict) else {}
+        _log(self.opts, f"round {request.get('round')}: unmask (riding) "
+                        + (f"refused: {answer['refused']}" if "refused" in answer else
+                           f"answered ({len(answer.get('self-from', []))} share(s))"))
+        return {"secagg": answer}
 
     def _masked(self, plan, config: dict[str, Any], update: dict[str, Any], admission) -> Any:
         """The encoded update's coordinates (all of them, or random-k's), weighted, masked and packed."""

@@ -157,6 +157,14 @@ class NebulaStrategy(Strategy):
     def observe_traffic(self, traffic: dict[int, NodeTraffic]) -> None:
         """Called with each round's measured traffic before the next round is configured."""
 
+    def note_refused(self, server_round: int, replies: list[Message]) -> None:
+        """Replies an outer wrapper took out of the round (the clusters' refusals), before the round is aggregated:
+        a wrapper that reads a record riding on them overrides this (secure aggregation's piggybacked unmask
+        answers); the rest pass them on."""
+        inner = getattr(self, "inner", None)
+        if isinstance(inner, NebulaStrategy):
+            inner.note_refused(server_round, replies)
+
     def round_notes(self) -> dict[str, dict[str, Any]]:
         """Per-cluster decisions of this round worth recording (e.g. an adaptive codec setting)."""
         return {}
