@@ -153,9 +153,9 @@ class FakeGrid:
 
 def make_federation(tmp: Path, *, n: int, shapes: dict[str, tuple[int, ...]], codec: str = "none",
                     cfg: SecAggConfig | None = None, seed: int = 0, weights: list[int] | None = None,
-                    privacy: bool = False):
-    """(wrapper, clusters, grid, layout, initial); `privacy`: the wrapper is the privacy wrapper around secure
-    aggregation, as in a run (its refusals handling in the loop)."""
+                    privacy: Any = False):
+    """(wrapper, clusters, grid, layout, initial); `privacy` (True or a PrivacyConfig): the wrapper is the privacy
+    wrapper around secure aggregation, as in a run (refusals, the client-level accountant)."""
     rng = np.random.default_rng(seed)
     layout = Layout.from_shapes(shapes)
     initial = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
@@ -171,7 +171,7 @@ def make_federation(tmp: Path, *, n: int, shapes: dict[str, tuple[int, ...]], co
         from nebula_fl.config import PrivacyConfig
         from nebula_fl.strategies.privacy import PrivacyWrapper
 
-        outer = PrivacyWrapper(wrapper, cfg=PrivacyConfig(), num_rounds=10, clusters=1)
+        outer = PrivacyWrapper(wrapper, cfg=PrivacyConfig() if privacy is True else privacy, num_rounds=10, clusters=n)
     outer.set_min_updates(1)
     return outer, clusters, FakeGrid(clusters, layout), layout, initial
 

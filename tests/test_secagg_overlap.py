@@ -259,3 +259,27 @@ def test_the_trainer_answers_a_riding_request_on_a_round_its_policy_declines_and
     assert SecAggStage(state_dir=tmp_path / "c0", cluster_id=0).handle(dict(request)) == first["secagg"]
     lying = {**header, "secagg": {**request, "survivors": ["0", "1"], "dropped": ["2"], "signatures": "{}"}}
     assert "unmasked already" in unpack(boundary._train(lying))[0]["secagg"]["refused"]
+
+
+def test_a_run_the_privacy_budget_ends_early_unmasks_its_last_round_at_once(tmp_path):
+    import dataclasses
+
+    from nebula_fl.config import PrivacyConfig
+    from nebula_fl.strategies.base import StopFederation
+
+    wrapper, clusters, grid, layout, initial = make_federation(
+        tmp_path, n=3, shapes=SHAPES, cfg=fast(), privacy=PrivacyConfig(mode="client", noise_multiplier=1.0))
+    ledger = wrapper.server_ledger
+    two, three = (ledger.epsilon_after(noise_multiplier=1.0, sample_rate=1.0, steps=k) for k in (2, 3))
+    wrapper.cfg = dataclasses.replace(wrapper.cfg, max_epsilon=(two + three) / 2)  # room for 2 rounds, not 3
+    new_updates(clusters, 1)
+    mean1, spread1 = mean_of(clusters, layout, {0, 1, 2})
+    overlapped(wrapper, grid, 1, initial, rounds=10)
+    new_updates(clusters, 2)
+    mean2, spread2 = mean_of(clusters, layout, {0, 1, 2})
+    arrays, _ = overlapped(wrapper, grid, 2, initial, rounds=10)
+    secure = wrapper.inner
+    assert secure.report["unmasked_rounds"] == [1, 2] and secure.held is None and secure.report["extra_trips"] == 1
+    close(flat(arrays, layout), mean1 + mean2, step=secure.round["code"].step, spread=spread1 + spread2)
+    with pytest.raises(StopFederation, match="budget"):
+        overlapped(wrapper, grid, 3, numpy_of(arrays), rounds=10)

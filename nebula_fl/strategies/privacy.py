@@ -149,6 +149,9 @@ class PrivacyWrapper(NebulaStrategy):
         self.inner.destinations = self.destinations
         self.inner.rejected = {}
         self.inner.note_refused(server_round, declined)  # a refusal may still carry what a wrapper asked beside it
+        if self.server_ledger is not None and self.cfg.max_epsilon is not None and self.server_ledger.epsilon_after(
+                noise_multiplier=self.sigma, sample_rate=self.sample_rate, steps=2) > self.cfg.max_epsilon:
+            self.inner.note_last_round(server_round)  # the budget stops the run before the next round (configure_train)
         # a cluster that stopped has left the federation: min-clusters counts the ones still in it
         active = self.directory.known_clusters() - set(self.exhausted)
         self.inner.set_min_updates(min(self.min_updates, len(active)) if active else self.min_updates)

@@ -85,7 +85,8 @@ class SecAggWrapper(NebulaStrategy):
         self.extra: dict[int, NodeTraffic] = {}  # the extra stages' traffic, added to the round's
         self.report: dict[str, Any] = {}
         self.overlap = False  # round-overlap: a round's unmask request rides on the next round's train message
-        self.num_rounds = 0  # the run's last round (num-server-rounds): its uploads are unmasked at once
+        self.num_rounds = 0  # the run's last round (num-server-rounds): its uploads are unmasked at once; unknown
+        # (0: a config without the key) every round is
         self.held: HeldRound | None = None  # (round-overlap) the last round's uploads, not unmasked yet
         self.asked: dict[int, str] = {}  # node -> cluster whose train message carries the held round's request
         self.answers: dict[str, dict[str, Any]] = {}  # cluster -> its piggybacked unmask answer
@@ -318,6 +319,10 @@ class SecAggWrapper(NebulaStrategy):
         """Replies the privacy wrapper took out of the round (the cluster's gate declined it) still carry the
         held round's unmask answer, if its stage gave one: a refused round is no refusal to unmask the last."""
         self._collect_answers(replies)
+
+    def note_last_round(self, server_round: int) -> None:
+        """The run ends after this round (the privacy budget): its uploads are unmasked now, not held."""
+        self.num_rounds = min(self.num_rounds, server_round) if self.num_rounds else server_round
 
     def _collect_answers(self, replies: list[Message]) -> None:
         """Each asked cluster's piggybacked answer (a `secagg` record beside `update` and `metrics`): an answer
