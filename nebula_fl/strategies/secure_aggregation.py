@@ -17,6 +17,24 @@ than the threshold aborts the round (the global adapter stays) and the run goes 
 reply only drops its holder (`secagg/replies.py`). Bytes and seconds of the extra stages are counted in the
 round's traffic.
 
+ROUND-OVERLAP (run config `round-overlap`): round r's unmask request rides on round r+1's train message and
+its answer on round r+1's reply, so a round nobody dropped out of costs the hops of a plain round (`extra_trips`
+0 in the round's `secagg` report, `unmasked_round(s)`: whose sum it applied). On the wire the train message
+carries a ConfigRecord `secagg` beside `config` and `down`: exactly the explicit `query.secagg` unmask request
+(built by one function, so a holder asked both ways gets its one answer again); the ClientApp passes it to the
+trainer with the round, whose stage answers it with the checks of an explicit request
+(`SecAggStage.answer_riding`) before the round is checked, refused or trained, and the reply carries a
+ConfigRecord `secagg` beside `update` and `metrics`: the explicit reply, or {"refused": why}. A refused round's
+reply carries it too (the privacy wrapper hands such replies over: `note_refused`), and the cluster's reply
+cache replays the very bytes. The global adapter moves one round late, as on the plain overlapped path: round 1
+returns it unchanged (`secagg-pending-round` in its metrics; not a skipped round). The last round
+(num-server-rounds, or the one after which the privacy budget stops the run) and every round with dropouts are
+unmasked at once, with today's trips: a dropout round's survivors must sign their view first, and riding that
+request too would delay the sum by another round. Answers missing from a held round (a holder not sent the next
+round, silent, or answering without the record) are asked with one explicit trip, only when those in hand lack
+t shares of some seed; a refusal is final. The held round is checkpointed with the strategy (secagg/held.py),
+not flushed: a checkpoint is written every round, so flushing would bring the extra trip back every round.
+
 It sits outside compression (which sends the downlink and keeps each cluster's view) and inside
 privacy (refusals, the client-level accountant): under client-level DP it asks each cluster for
 1/threshold of the noise variance, so any sum that can be unmasked carries the full σ.
