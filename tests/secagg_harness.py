@@ -34,6 +34,9 @@ class FakeCluster:
     log: list[str] = field(default_factory=list)
     tamper: Any = None  # a function (cluster, request) -> request, to corrupt what it is sent
     tamper_reply: Any = None  # a function (cluster, request, reply) -> reply, to corrupt what it answers
+    refuse_rounds: set[int] = field(default_factory=set)  # rounds its privacy gate declines (a refusal reply)
+    riding: list[dict[str, Any]] = field(default_factory=list)  # the unmask requests that rode on its train messages
+    lose_riding: set[int] = field(default_factory=set)  # held rounds whose riding request its reply leaves unanswered
 
     def answer(self, msg: Message, layout: Layout) -> Message | None:
         kind = msg.metadata.message_type
@@ -44,7 +47,11 @@ class FakeCluster:
         if kind == "train":
             if rnd in self.drop_before_upload:
                 return None
-            return self._train(msg, rnd_cfg, layout)
+            answer = self._answer_riding(msg)  # as the trainer: before the round is checked, refused or trained
+            reply = self._train(msg, rnd_cfg, layout)
+            if answer is not None and not reply.has_error():
+                reply.content["secagg"] = ConfigRecord(answer)
+            return reply
         request = dict(msg.content.config_records["secagg"])
         if request.get("stage") in ("unmask", "recover") and request.get("round") in self.drop_after_upload:
             return None
@@ -61,7 +68,31 @@ class FakeCluster:
             reply = self.tamper_reply(self, request, dict(reply))
         return Message(RecordDict({"secagg": ConfigRecord(reply)}), reply_to=msg)
 
+    def _answer_riding(self, msg: Message) -> dict[str, Any] | None:
+        """The answer to the unmask request riding on a train message (round-overlap), by the stage's own
+        `answer_riding`; None (no answer in the reply) when it goes silent after uploading that round."""
+        if "secagg" not in msg.content.config_records:
+            return None
+        request = dict(msg.content.config_records["secagg"])
+        self.riding.append(request)
+        if request.get("round") in self.drop_after_upload | self.lose_riding or "unmask" in self.silent_stages:
+            return None
+        if self.tamper is not None:
+            request = self.tamper(self, request)
+        answer = self.stage.answer_riding(request)
+        if "refused" in answer:
+            self.log.append(answer["refused"])
+        elif self.tamper_reply is not None:
+            answer = self.tamper_reply(self, request, dict(answer))
+        return answer
+
     def _train(self, msg: Message, cfg: dict[str, Any], layout: Layout) -> Message:
+        if cfg.get("server-round") in self.refuse_rounds:  # declined as its privacy gate would: said, not an error
+            metrics = {"cluster-id": self.cid, "privacy-refused": 1}
+            return Message(RecordDict({"update": ArrayRecord({}), "metrics": MetricRecord(metrics),
+                                       "notes": ConfigRecord({"privacy-refusal": "policy",
+                                                              "privacy-reason": "declined in the test"})}),
+                           reply_to=msg)
         try:
             plan = self.stage.prepare(cfg)
         except SecAggRefusal as err:
@@ -121,7 +152,10 @@ class FakeGrid:
 
 
 def make_federation(tmp: Path, *, n: int, shapes: dict[str, tuple[int, ...]], codec: str = "none",
-                    cfg: SecAggConfig | None = None, seed: int = 0, weights: list[int] | None = None):
+                    cfg: SecAggConfig | None = None, seed: int = 0, weights: list[int] | None = None,
+                    privacy: Any = False):
+    """(wrapper, clusters, grid, layout, initial); `privacy` (True or a PrivacyConfig): the wrapper is the privacy
+    wrapper around secure aggregation, as in a run (refusals, the client-level accountant)."""
     rng = np.random.default_rng(seed)
     layout = Layout.from_shapes(shapes)
     initial = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
@@ -132,16 +166,24 @@ def make_federation(tmp: Path, *, n: int, shapes: dict[str, tuple[int, ...]], co
     inner = AdapterFedAvg(lr=1.0)
     compressed = CompressionWrapper(inner, codec_up=codec, codec_down="none", seed=seed, initial=initial)
     wrapper = SecAggWrapper(compressed, cfg=cfg or SecAggConfig(enabled=True), codec=codec)
-    wrapper.set_min_updates(1)
-    return wrapper, clusters, FakeGrid(clusters, layout), layout, initial
+    outer = wrapper
+    if privacy:
+        from nebula_fl.config import PrivacyConfig
+        from nebula_fl.strategies.privacy import PrivacyWrapper
+
+        outer = PrivacyWrapper(wrapper, cfg=PrivacyConfig() if privacy is True else privacy, num_rounds=10, clusters=n)
+    outer.set_min_updates(1)
+    return outer, clusters, FakeGrid(clusters, layout), layout, initial
 
 
-def run_round(wrapper: SecAggWrapper, grid: FakeGrid, rnd: int, arrays: dict[str, np.ndarray]):
-    """configure, deliver, aggregate one round as the loop does; returns (new arrays or None, metrics)."""
+def run_round(wrapper, grid: FakeGrid, rnd: int, arrays: dict[str, np.ndarray], **config: Any):
+    """configure, deliver, aggregate one round as the loop does; returns (new arrays or None, metrics).
+    `config`: more keys of the round's config record (e.g. round_overlap=True, num_server_rounds=3)."""
     from nebula_fl.strategies.adapter_strategy import to_record
 
     wrapper.identify(grid, timeout=5, poll_interval=0.01)
-    config = ConfigRecord({"federation-id": "fed1", "server-round": rnd})
+    config = ConfigRecord({"federation-id": "fed1", "server-round": rnd,
+                           **{k.replace("_", "-"): v for k, v in config.items()}})
     messages = wrapper.configure_train(rnd, to_record(arrays), config, grid)
     replies, traffic = wrapper.exchange(grid, messages, timeout=2, poll_interval=0.01)
     wrapper.inner.destinations = wrapper.destinations

@@ -5,7 +5,9 @@ and loads no model: it hands the global adapter and the round's config to the tr
 node config key ``trainer`` (its socket path) and returns the trainer's update and metrics. A
 ``query`` message asks the trainer who it is (the server maps node ids to clusters with it: node ids
 change when a SuperNode restarts, clusters do not); a ``query.secagg`` message carries one stage of
-secure aggregation (key setup, unmasking) to the trainer, which alone holds the cluster's keys.
+secure aggregation (key setup, unmasking) to the trainer, which alone holds the cluster's keys. With
+round-overlap a train message may carry a `secagg` record too (the last round's unmask request): it goes to
+the trainer with the round, and the trainer's answer comes back as a `secagg` record beside `update`.
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ def train(msg: Message, context: Context) -> Message:
     record = records["down"] if "down" in records else records["arrays"]
     arrays = {key: array.numpy() for key, array in record.items()}
     config = dict(msg.content.config_records["config"])
-    reply, update = request(socket_path, {"op": "train", "config": config}, arrays, wait_s=TRAINER_WAIT_S)
+    asked = {"op": "train", "config": config}
+    if "secagg" in msg.content.config_records:  # round-overlap: the last round's unmask request rides here
+        asked["secagg"] = dict(msg.content.config_records["secagg"])
+    reply, update = request(socket_path, asked, arrays, wait_s=TRAINER_WAIT_S)
     metrics = dict(reply["metrics"])
     if "secagg-epoch" not in config:  # under secure aggregation a cluster reports no timing of its own (see
         # trainer_service.IN_THE_CLEAR): how long it trained can tell how much data it holds
@@ -79,6 +84,8 @@ def train(msg: Message, context: Context) -> Message:
         "update": ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in update.items()}),
         **_records(metrics),
     })
+    if isinstance(reply.get("secagg"), dict):  # ... and its answer rides back beside the update
+        content["secagg"] = ConfigRecord(reply["secagg"])
     return Message(content, reply_to=msg)
 
 

@@ -7,8 +7,9 @@ the roster; the mask key is Shamir-shared among the neighbours and itself, each 
 holder), then per round the masking of the update (the train request carries the epoch, the round set
 and, once, the key shares sealed to this cluster; the upload carries commitments and a signed receipt),
 `view` (only in a round with dropouts: sign the survivor set, once), `unmask` (self-mask shares of
-survivors, pair keys with clusters that dropped, on the evidence reveal.py demands) and, rarely, `recover`
-(key shares of a dropped cluster). `secagg/reveal.py` holds every rule and why it is enough. The state
+survivors, pair keys with clusters that dropped, on the evidence reveal.py demands; with round-overlap it
+rides on the next round's train message and its answer on that round's reply: `answer_riding`) and,
+rarely, `recover` (key shares of a dropped cluster). `secagg/reveal.py` holds every rule and why it is enough. The state
 (private keys included) is a 0600 JSON file in the state folder, written before any reply leaves, so a
 restarted trainer keeps its keys and its promises.
 """
@@ -231,6 +232,22 @@ class SecAggStage:
             raise SecAggRefusal(f"unknown secure-aggregation stage {stage!r}")
         with self.lock:
             return handlers[stage](federation, epoch, request)
+
+    def answer_riding(self, request: Any) -> dict[str, Any]:
+        """The answer to an unmask request that rode on a train message (round-overlap: round r's request on
+        round r+1's message), to ride back in that round's reply: `handle`'s reply, or {"refused": why}.
+
+        The very checks of an explicit request (it goes through `handle`: view rules, evidence, one view per
+        round, a replay answered with its first answer); only the `unmask` stage may ride: setup, view and
+        recover requests keep their own trip. Answered whatever becomes of the round it rode on (refused by the
+        privacy gate or the policy, or failed): the answer is the stage's, kept in its state before it leaves."""
+        if not isinstance(request, dict) or request.get("stage") != "unmask":
+            stage = request.get("stage") if isinstance(request, dict) else None
+            return {"refused": f"only an unmask request may ride on a train message, not {stage!r}"}
+        try:
+            return self.handle(request)
+        except (SecAggRefusal, ValueError, KeyError, TypeError) as err:
+            return {"refused": f"secure aggregation (unmask): {err}"}
 
     def _keys(self, federation: str, epoch: str, _request: dict[str, Any]) -> dict[str, Any]:
         epochs = self._state(federation)["epochs"]

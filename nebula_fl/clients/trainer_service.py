@@ -160,6 +160,7 @@ class Round:
     admission: Any = None  # the privacy gate's verdict
     update: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
+    riding: dict[str, Any] = field(default_factory=dict)  # {"secagg": the last round's unmask answer}, overlapped
 
 
 class Boundary:
@@ -269,6 +270,7 @@ class Boundary:
         try:
             rnd = self._read(header)
             self._replayed(rnd)
+            rnd.riding = self._answer_riding(header)  # round-overlap: the last round's unmask, whatever becomes of this
             self._admit(rnd)
             self._train_on_ranks(rnd)
             self._charge(rnd)
@@ -330,7 +332,7 @@ class Boundary:
     def _decline(self, rnd: Round, admission, why: str) -> None:
         _log(self.opts, f"round {rnd.number} declined ({why}): {admission.reason}")
         raise Answer(pack({"ok": True, "metrics": self.gate.refusal(admission, federation=rnd.federation,
-                                                                     cluster_id=self.opts.cluster_id)}))
+                                                                     cluster_id=self.opts.cluster_id), **rnd.riding}))
 
     def _train_on_ranks(self, rnd: Round) -> None:
         """train: every rank, from the global (or, overlapped, its own rebased weights and what it trained ahead)."""
@@ -379,9 +381,24 @@ class Boundary:
         metrics.update(self.gate.metrics(rnd.admission, federation=rnd.federation))
         if rnd.plan is not None:
             metrics = in_the_clear(metrics, mode=rnd.admission.mode)
-        frame = pack({"ok": True, "metrics": metrics}, rnd.update)
-        self.cache.put(rnd.federation, rnd.number, frame)
+        frame = pack({"ok": True, "metrics": metrics, **rnd.riding}, rnd.update)
+        self.cache.put(rnd.federation, rnd.number, frame)  # a replay gets these bytes: the same unmask answer too
         return frame
+
+    def _answer_riding(self, header: dict[str, Any]) -> dict[str, Any]:
+        """{"secagg": answer} when the request carries the last round's unmask request (round-overlap), else {}.
+
+        Answered by the stage (its every check, `SecAggStage.answer_riding`) before this round is checked or
+        trained, so a round refused by the policy or the gate still carries it back; a cached round is answered
+        from the cache before this runs, with the answer it carried the first time."""
+        if header.get("secagg") is None:
+            return {}
+        answer = self.secagg.answer_riding(header["secagg"])
+        request = header["secagg"] if isinstance(header["secagg"], dict) else {}
+        _log(self.opts, f"round {request.get('round')}: unmask (riding) "
+                        + (f"refused: {answer['refused']}" if "refused" in answer else
+                           f"answered ({len(answer.get('self-from', []))} share(s))"))
+        return {"secagg": answer}
 
     def _masked(self, plan, config: dict[str, Any], update: dict[str, Any], admission) -> Any:
         """The encoded update's coordinates (all of them, or random-k's), weighted, masked and packed."""

@@ -157,6 +157,22 @@ class NebulaStrategy(Strategy):
     def observe_traffic(self, traffic: dict[int, NodeTraffic]) -> None:
         """Called with each round's measured traffic before the next round is configured."""
 
+    def note_refused(self, server_round: int, replies: list[Message]) -> None:
+        """Replies an outer wrapper took out of the round (the clusters' refusals), before the round is aggregated:
+        a wrapper that reads a record riding on them overrides this (secure aggregation's piggybacked unmask
+        answers); the rest pass them on."""
+        inner = getattr(self, "inner", None)
+        if isinstance(inner, NebulaStrategy):
+            inner.note_refused(server_round, replies)
+
+    def note_last_round(self, server_round: int) -> None:
+        """An outer wrapper knows `server_round` is the run's last (e.g. the privacy budget ends the run after it),
+        before it is aggregated: a wrapper that holds something for the next round flushes it now (secure
+        aggregation with round-overlap); the rest pass it on."""
+        inner = getattr(self, "inner", None)
+        if isinstance(inner, NebulaStrategy):
+            inner.note_last_round(server_round)
+
     def round_notes(self) -> dict[str, dict[str, Any]]:
         """Per-cluster decisions of this round worth recording (e.g. an adaptive codec setting)."""
         return {}

@@ -231,12 +231,26 @@ class CompressionWrapper(NebulaStrategy):
                       weight: float, count: int) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """A securely aggregated round: the uploaders' views advance, the unmasked mean (flat, the layout's
         order; None when the round could not be unmasked) goes to the outer optimizer."""
+        self.acknowledge_round(server_round, uploaded=uploaded)
+        if flat_mean is None:
+            return None, MetricRecord({"clusters": 0})
+        return self.apply_flat(flat_mean, weight=weight, count=count)
+
+    def acknowledge_round(self, server_round: int, *, uploaded: dict[int, str]) -> None:
+        """The uploaders of this round hold the view they were sent; the silent ones' views are in doubt."""
         for node, cluster in uploaded.items():
             self.acknowledge(node, cluster)
         self._forget_silent(set(uploaded), server_round)
-        if flat_mean is None:
-            return None, MetricRecord({"clusters": 0})
+
+    def apply_flat(self, flat_mean: np.ndarray, *, weight: float, count: int
+                   ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """One outer step from an unmasked mean (secure aggregation, e.g. a round unmasked one round late)."""
         return self.inner.apply_mean(self.layout().unflatten(flat_mean), weight=weight, count=count)
+
+    def current_arrays(self) -> ArrayRecord:
+        """The global adapter as it stands (a round whose sum is not unmasked yet leaves it so)."""
+        assert self.inner.current is not None, "configure_train must run before aggregation"
+        return to_record(self.inner.current)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -132,12 +132,13 @@ class PrivacyWrapper(NebulaStrategy):
         return str(int(metrics["cluster-id"])), {"epsilon": metrics.get("epsilon"), **notes}
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        passed = []
+        passed, declined = [], []
         for reply in replies:
             refused = self._refusal(reply)
             if refused is None:
                 passed.append(self._equal_weight(reply) if self.cfg.mode == "client" else reply)
                 continue
+            declined.append(reply)
             cluster, info = refused
             reason = info.get("privacy-reason", "its privacy budget would be exceeded")
             kind = info.get("privacy-refusal") or "budget"
@@ -147,6 +148,10 @@ class PrivacyWrapper(NebulaStrategy):
             log(WARNING, "round %d: cluster %s stops (%s): %s", server_round, cluster, kind, reason)
         self.inner.destinations = self.destinations
         self.inner.rejected = {}
+        self.inner.note_refused(server_round, declined)  # a refusal may still carry what a wrapper asked beside it
+        if self.server_ledger is not None and self.cfg.max_epsilon is not None and self.server_ledger.epsilon_after(
+                noise_multiplier=self.sigma, sample_rate=self.sample_rate, steps=2) > self.cfg.max_epsilon:
+            self.inner.note_last_round(server_round)  # the budget stops the run before the next round (configure_train)
         # a cluster that stopped has left the federation: min-clusters counts the ones still in it
         active = self.directory.known_clusters() - set(self.exhausted)
         self.inner.set_min_updates(min(self.min_updates, len(active)) if active else self.min_updates)

@@ -17,6 +17,24 @@ than the threshold aborts the round (the global adapter stays) and the run goes 
 reply only drops its holder (`secagg/replies.py`). Bytes and seconds of the extra stages are counted in the
 round's traffic.
 
+ROUND-OVERLAP (run config `round-overlap`): round r's unmask request rides on round r+1's train message and
+its answer on round r+1's reply, so a round nobody dropped out of costs the hops of a plain round (`extra_trips`
+0 in the round's `secagg` report, `unmasked_round(s)`: whose sum it applied). On the wire the train message
+carries a ConfigRecord `secagg` beside `config` and `down`: exactly the explicit `query.secagg` unmask request
+(built by one function, so a holder asked both ways gets its one answer again); the ClientApp passes it to the
+trainer with the round, whose stage answers it with the checks of an explicit request
+(`SecAggStage.answer_riding`) before the round is checked, refused or trained, and the reply carries a
+ConfigRecord `secagg` beside `update` and `metrics`: the explicit reply, or {"refused": why}. A refused round's
+reply carries it too (the privacy wrapper hands such replies over: `note_refused`), and the cluster's reply
+cache replays the very bytes. The global adapter moves one round late, as on the plain overlapped path: round 1
+returns it unchanged (`secagg-pending-round` in its metrics; not a skipped round). The last round
+(num-server-rounds, or the one after which the privacy budget stops the run) and every round with dropouts are
+unmasked at once, with today's trips: a dropout round's survivors must sign their view first, and riding that
+request too would delay the sum by another round. Answers missing from a held round (a holder not sent the next
+round, silent, or answering without the record) are asked with one explicit trip, only when those in hand lack
+t shares of some seed; a refusal is final. The held round is checkpointed with the strategy (secagg/held.py),
+not flushed: a checkpoint is written every round, so flushing would bring the extra trip back every round.
+
 It sits outside compression (which sends the downlink and keeps each cluster's view) and inside
 privacy (refusals, the client-level accountant): under client-level DP it asks each cluster for
 1/threshold of the noise variance, so any sum that can be unmasked carries the full σ.
@@ -28,7 +46,6 @@ import json
 import secrets
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
@@ -43,6 +60,7 @@ from nebula_fl.config import SecAggConfig
 from nebula_fl.secagg import field, graph, shares
 from nebula_fl.secagg.evidence import setup_digest, setup_record, upload_fields, view_fields
 from nebula_fl.secagg.field import FieldCode, FieldError
+from nebula_fl.secagg.held import HeldRound, Upload
 from nebula_fl.secagg.identity import verify
 from nebula_fl.secagg.masking import remove_masks
 from nebula_fl.secagg.masks import pair_sign, round_key
@@ -68,16 +86,6 @@ class StageFailed(Exception):
     """A stage left too few clusters: the round aborts with this reason."""
 
 
-@dataclass(frozen=True)
-class Upload:
-    """One cluster's usable upload of the round."""
-
-    vector: np.ndarray  # the masked field vector
-    tokens: dict[str, str]  # holder -> its sealed share of this cluster's self-mask seed
-    commits: dict[str, Any]  # SHA-256 of the self-mask seed ("self") and of each pair key ("pairs")
-    receipt: list[str]  # [digest, signature]: the proof, forwarded to every holder, that this cluster uploaded
-
-
 class SecAggWrapper(NebulaStrategy):
     def __init__(self, inner: CompressionWrapper, *, cfg: SecAggConfig, codec: str,
                  client_sigma: float | None = None, client_clip: float = 1.0) -> None:
@@ -94,11 +102,19 @@ class SecAggWrapper(NebulaStrategy):
         self.round: dict[str, Any] = {}  # this round: set, code, nodes, federation
         self.extra: dict[int, NodeTraffic] = {}  # the extra stages' traffic, added to the round's
         self.report: dict[str, Any] = {}
+        self.overlap = False  # round-overlap: a round's unmask request rides on the next round's train message
+        self.num_rounds = 0  # the run's last round (num-server-rounds): its uploads are unmasked at once; unknown
+        # (0: a config without the key) every round is
+        self.held: HeldRound | None = None  # (round-overlap) the last round's uploads, not unmasked yet
+        self.asked: dict[int, str] = {}  # node -> cluster whose train message carries the held round's request
+        self.answers: dict[str, dict[str, Any]] = {}  # cluster -> its piggybacked unmask answer
+        self.refusals: dict[str, str] = {}  # cluster -> why its stage refused the piggybacked request
 
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         epoch = None if self.epoch is None else {**self.epoch, "acked": sorted(self.epoch["acked"])}
-        return {"inner": self.inner.state_dict(), "epoch": epoch, "rekey": sorted(self.rekey)}
+        held = None if self.held is None else self.held.state_dict()
+        return {"inner": self.inner.state_dict(), "epoch": epoch, "rekey": sorted(self.rekey), "held": held}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state["inner"])
@@ -106,6 +122,8 @@ class SecAggWrapper(NebulaStrategy):
         # an epoch saved before clusters signed their keys has no identities: set up keys again
         self.epoch = None if epoch is None or "setup" not in epoch else {**epoch, "acked": set(epoch["acked"])}
         self.rekey = set(state.get("rekey", []))
+        held = state.get("held")
+        self.held = None if held is None else HeldRound.from_state_dict(held)
 
     def needs_identity(self) -> bool:
         """Masks are between clusters: every node must be matched to its cluster before it is sent a round."""
@@ -123,6 +141,8 @@ class SecAggWrapper(NebulaStrategy):
         assert self.grid is not None
         messages = [Message(content=RecordDict({RECORD: ConfigRecord(req)}), dst_node_id=node,
                             message_type=STAGE_TYPE) for node, req in requests.items()]
+        counter = "setup_trips" if what in ("key setup", "share distribution") else "extra_trips"
+        self.report[counter] = self.report.get(counter, 0) + 1
         outer = self.destinations
         replies, traffic = self.exchange(self.grid, messages, timeout=self.cfg.timeout, poll_interval=0.2)
         sent_to, self.destinations = self.destinations, outer
@@ -222,7 +242,10 @@ class SecAggWrapper(NebulaStrategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
                         ) -> Iterable[Message]:
-        self.grid, self.round, self.extra, self.report = grid, {}, {}, {}
+        self.grid, self.round, self.extra, self.report = grid, {}, {}, {"extra_trips": 0}
+        self.overlap = bool(config.get("round-overlap", False))
+        self.num_rounds = int(config.get("num-server-rounds", 0) or 0)
+        self.asked, self.answers, self.refusals = {}, {}, {}
         messages = list(self.inner.configure_train(server_round, arrays, config, grid))
         federation = str(config.get("federation-id", ""))
         nodes: dict[int, str] = {}
@@ -248,6 +271,7 @@ class SecAggWrapper(NebulaStrategy):
         code = self._code(len(round_set))
         self.round = {"set": round_set, "code": code, "nodes": {n: c for n, c in nodes.items() if c in round_set},
                       "federation": federation, "positions": self._positions(), "server_round": server_round}
+        riding = self._riding_requests()
         out = []
         for m in messages:
             cluster = nodes.get(m.metadata.dst_node_id)
@@ -262,6 +286,9 @@ class SecAggWrapper(NebulaStrategy):
                 held = self.epoch["tokens"].get(cluster, {})
                 cfg.update({"secagg-key-from": list(held), "secagg-key-tokens": list(held.values())})
             records = {name: record for name, record in m.content.items() if name != CONFIG_KEY}
+            if cluster in riding:  # the held round's unmask request, answered beside this round's update
+                records[RECORD] = ConfigRecord(riding[cluster])
+                self.asked[m.metadata.dst_node_id] = cluster
             content = RecordDict({**records, CONFIG_KEY: ConfigRecord(cfg)})
             out.append(Message(content=content, dst_node_id=m.metadata.dst_node_id,
                                message_type=m.metadata.message_type))
@@ -275,12 +302,15 @@ class SecAggWrapper(NebulaStrategy):
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
         self.inner.destinations = self.destinations
+        if self.overlap or self.held is not None:
+            return self._aggregate_overlapped(server_round, replies)
         if not self.round:  # aborted before anything was sent
             return self.inner.aggregate_sum(server_round, uploaded={}, flat_mean=None, weight=0, count=0)
         uploads, uploaded = self._uploads(replies)
         self.report.update(sampled=len(self.round["set"]), uploaded=len(uploads))
         try:
-            flat_mean, weight = self._unmask(server_round, uploads)
+            flat_mean, weight = self._unmask(self._held(uploads), node_of={c: n for n, c in self.round["nodes"].items()})
+            self.report["unmasked_round"] = server_round
         except StageFailed as why:
             self._abort(server_round, str(why))
             flat_mean, weight = None, 0.0
@@ -290,12 +320,109 @@ class SecAggWrapper(NebulaStrategy):
         self.rejected.update(self.inner.rejected)
         return arrays, metrics
 
+    # -- round-overlap: the unmask request rides on the next round's train message ---------------------
+    def _riding_requests(self) -> dict[str, dict[str, Any]]:
+        """(round-overlap) cluster -> the held round's unmask request, to ride on this round's train message.
+
+        Only a held round rides, and a held round had no dropouts: its proof is the upload receipts, so the
+        request is exactly the one the explicit trip would send (same function, same bytes), and a holder asked
+        both ways (its answer lost) gets its first answer again. A round with dropouts is never held: its
+        survivors must sign their view first, and carrying that signature request too would delay the round
+        by another round; it is unmasked at once with today's view and unmask trips."""
+        if not self.overlap or self.held is None:
+            return {}
+        return self._unmask_requests(self.held, self._receipts(self.held))
+
+    def note_refused(self, server_round: int, replies: list[Message]) -> None:
+        """Replies the privacy wrapper took out of the round (the cluster's gate declined it) still carry the
+        held round's unmask answer, if its stage gave one: a refused round is no refusal to unmask the last."""
+        self._collect_answers(replies)
+
+    def note_last_round(self, server_round: int) -> None:
+        """The run ends after this round (the privacy budget): its uploads are unmasked now, not held."""
+        self.num_rounds = min(self.num_rounds, server_round) if self.num_rounds else server_round
+
+    def _collect_answers(self, replies: list[Message]) -> None:
+        """Each asked cluster's piggybacked answer (a `secagg` record beside `update` and `metrics`): an answer
+        (as the explicit trip's reply) or {"refused": why} when its stage refused the request."""
+        for reply in replies:
+            cluster = self.asked.get(self.node_of(reply))
+            if cluster is None or reply.has_error() or RECORD not in reply.content.config_records:
+                continue
+            answer = dict(reply.content.config_records[RECORD])
+            if "refused" in answer:
+                self.refusals[cluster] = str(answer["refused"])
+                log(WARNING, "secure aggregation unmasking: cluster %s refused: %s", cluster, answer["refused"])
+            else:
+                self.answers[cluster] = answer
+
+    def _node_of(self, held: HeldRound) -> dict[str, int]:
+        """Where each cluster of a held round can be reached now: its node this round, else its last known one."""
+        node_of = {c: n for n, c in self.round.get("nodes", {}).items()}
+        node_of.update({c: n for n, c in self.directory.clusters.items()})
+        return {c: n for c, n in node_of.items() if c in held.round_set}
+
+    def _unmask_now(self, held: HeldRound, *, answers: dict[str, dict[str, Any]] | None,
+                    refused: Iterable[str] = ()) -> list[tuple[int, np.ndarray, float, int]]:
+        """[(round, flat mean, Σw, uploads)] of a held round, or [] when it could not be unmasked (said why)."""
+        try:
+            flat, weight = self._unmask(held, node_of=self._node_of(held), answers=answers, refused=refused)
+        except StageFailed as why:
+            self._abort(held.server_round, f"round {held.server_round}'s sum: {why}")
+            return []
+        return [(held.server_round, flat, weight, len(held.uploads))]
+
+    def _aggregate_overlapped(self, server_round: int, replies: list[Message]
+                              ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Round-overlap: unmask the held round (last round's uploads) from the answers this round's replies
+        carry, falling back to an explicit trip for what is missing; hold this round's uploads for the next.
+
+        What each call applies, in round order (`unmasked_round` in the round's `secagg` report):
+        - nothing held (round 1, or after a round that could not be held): the global adapter is returned
+          unchanged, not None (None is a skipped round, and too many end the run), with `secagg-pending-round`
+          in the metrics: the aggregate is pending;
+        - the held round's sum: the global moves one round late, as on the plain overlapped path;
+        - this round's sum too when it cannot be held: the run's last round (num-server-rounds; one explicit
+          unmask trip, so the final global includes every round), a round with dropouts (its view trip), or
+          one with fewer uploads than the threshold (it aborts, as today).
+        A held round that cannot be unmasked is a skipped round, as an aborted unmasking is today.
+        `extra_trips` in the report: the message trips spent unmasking (view, unmask, recover); 0 in an
+        overlapped round nobody dropped out of, 1 for the last round's flush or a missing answer."""
+        self._collect_answers(replies)
+        uploads, uploaded = self._uploads(replies) if self.round else ({}, {})
+        if self.round:
+            self.report.update(sampled=len(self.round["set"]), uploaded=len(uploads))
+        sums: list[tuple[int, np.ndarray, float, int]] = []
+        held, self.held = self.held, None
+        if held is not None:
+            sums += self._unmask_now(held, answers=self.answers, refused=self.refusals)
+        if self.round:
+            this = self._held(uploads)
+            if this.dropped or server_round >= self.num_rounds or len(this.survivors) < this.epoch["threshold"]:
+                sums += self._unmask_now(this, answers=None)
+            else:
+                self.held = this
+        self.inner.destinations = self.destinations
+        self.report["unmasked_round"] = sums[-1][0] if sums else None
+        self.report["unmasked_rounds"] = [s[0] for s in sums]
+        if not sums and held is None and self.held is not None:  # nothing to apply yet, and nothing lost
+            self.inner.acknowledge_round(server_round, uploaded=uploaded)
+            self.report["pending"] = server_round
+            return self.inner.current_arrays(), MetricRecord({"clusters": 0, "secagg-pending-round": server_round})
+        first = sums[0] if sums else (server_round, None, 0.0, 0)
+        results = [self.inner.aggregate_sum(server_round, uploaded=uploaded, flat_mean=first[1], weight=first[2],
+                                            count=first[3])]
+        results += [self.inner.apply_flat(flat, weight=weight, count=count) for _, flat, weight, count in sums[1:]]
+        self.rejected.update(self.inner.rejected)
+        applied = [r for r in results if r[0] is not None]
+        return applied[-1] if applied else results[-1]
+
     def _uploads(self, replies: list[Message]) -> tuple[dict[str, Upload], dict[int, str]]:
         """Each survivor's masked vector, sealed shares and commitments, its receipt checked; a malformed upload
         drops its cluster here, before it can touch the sum."""
         assert self.epoch is not None
         code, rnd = self.round["code"], self.round["server_round"]
-        count = self._coordinates() + 1
+        count = self._coordinates(self.round["positions"]) + 1
         uploads: dict[str, Upload] = {}
         uploaded: dict[int, str] = {}
         for reply in replies:
@@ -337,58 +464,93 @@ class SecAggWrapper(NebulaStrategy):
         stage = Compressor(self.codec, layout=layout).stages[0]
         return stage.positions(layout.size, self.inner.round_seed) if isinstance(stage, RandK) else None
 
-    def _coordinates(self) -> int:
-        positions = self.round["positions"]
+    def _coordinates(self, positions: np.ndarray | None) -> int:
         return self.inner.layout().size if positions is None else len(positions)
 
-    def _unmask(self, server_round: int, uploads: dict[str, Upload]) -> tuple[np.ndarray, float]:
-        """The unmask trip (after the view trip when clusters dropped; rarely a recover trip after it);
-        returns (flat mean update, Σw)."""
+    def _held(self, uploads: dict[str, Upload]) -> HeldRound:
+        """This round's uploads with what their unmasking needs, apart from the live round and epoch."""
         assert self.epoch is not None
+        return HeldRound(server_round=self.round["server_round"], epoch=self.epoch, round_set=list(self.round["set"]),
+                         code=self.round["code"], federation=self.round["federation"],
+                         positions=self.round["positions"], uploads=uploads)
+
+    def _unmask_requests(self, held: HeldRound, proof: dict[str, str]) -> dict[str, dict[str, Any]]:
+        """Each survivor's unmask request (holder -> request): one function for the explicit trip and the
+        piggybacked one, so a holder asked both ways gets the same request, and its stage the same answer."""
+        base = {"federation-id": held.federation, "epoch": held.epoch["id"], "round": held.server_round,
+                "survivors": held.survivors, "dropped": held.dropped}
+        requests = {}
+        for holder in held.survivors:
+            senders = [s for s in held.survivors if holder in held.uploads[s].tokens]
+            requests[holder] = {**base, **proof, "stage": "unmask", "from": senders,
+                                "tokens": [held.uploads[s].tokens[holder] for s in senders]}
+        return requests
+
+    @staticmethod
+    def _receipts(held: HeldRound) -> dict[str, str]:
+        """The proof of a round nobody dropped: every upload's receipt."""
+        return {"receipts": json.dumps({c: u.receipt for c, u in held.uploads.items()}, sort_keys=True)}
+
+    def _unmask(self, held: HeldRound, *, node_of: dict[str, int], answers: dict[str, dict[str, Any]] | None = None,
+                refused: Iterable[str] = ()) -> tuple[np.ndarray, float]:
+        """The unmask trip (after the view trip when clusters dropped; rarely a recover trip after it);
+        returns (flat mean update, Σw). `answers` (round-overlap): the holders' piggybacked answers, already
+        in; the trip then goes only to the survivors that neither answered nor refused, and only if the
+        answers in hand cannot rebuild every survivor's self-mask seed (t holders of each suffice)."""
         started = time.monotonic()
-        epoch, code, t = self.epoch, self.round["code"], self.epoch["threshold"]
-        survivors = sorted(uploads, key=_order)
-        dropped = sorted(set(self.round["set"]) - set(uploads), key=_order)
+        epoch, code, t, server_round = held.epoch, held.code, held.epoch["threshold"], held.server_round
+        uploads, survivors, dropped = held.uploads, held.survivors, held.dropped
         if len(survivors) < t:
             raise StageFailed(f"{len(survivors)} masked upload(s), fewer than the threshold {t}")
-        node_of = {c: n for n, c in self.round["nodes"].items()}
-        base = {"federation-id": self.round["federation"], "epoch": epoch["id"], "round": server_round,
+        base = {"federation-id": held.federation, "epoch": epoch["id"], "round": server_round,
                 "survivors": survivors, "dropped": dropped}
         if dropped:  # the survivors sign the survivor set: one more trip, only in a round with dropouts
-            proof = {"signatures": json.dumps(self._view_signatures(base, survivors, node_of), sort_keys=True)}
+            proof = {"signatures": json.dumps(self._view_signatures(held, base, node_of), sort_keys=True)}
         else:  # nobody dropped: every upload's receipt is the proof, no extra trip
-            proof = {"receipts": json.dumps({c: u.receipt for c, u in uploads.items()}, sort_keys=True)}
-        requests = {}
-        for holder in survivors:
-            senders = [s for s in survivors if holder in uploads[s].tokens]
-            requests[node_of[holder]] = {**base, **proof, "stage": "unmask", "from": senders,
-                                         "tokens": [uploads[s].tokens[holder] for s in senders]}
-        got, _ = self._stage({node_of[c]: c for c in survivors}, requests, what="unmasking")
+            proof = self._receipts(held)
+        requests = self._unmask_requests(held, proof)
+        commits = {c: u.commits for c, u in uploads.items()}
+
+        def read(got: dict[str, dict[str, Any]]):
+            return read_unmask(got, survivors=survivors, dropped=dropped, neighbours=epoch["neighbours"], threshold=t,
+                               commits=commits)
+
+        got: dict[str, dict[str, Any]] = dict(answers or {})
+        ask = [h for h in survivors if h not in got and h not in set(refused) and h in node_of]
+        if answers is not None and ask:
+            try:
+                read(got)
+                ask = []  # t holders of every seed answered on the train trip: no trip for the rest
+            except ShareError:
+                pass
+        if answers is None or ask:
+            more, _ = self._stage({node_of[h]: h for h in ask}, {node_of[h]: requests[h] for h in ask},
+                                  what="unmasking")
+            got.update(more)
         self.report["unmask_trip_s"] = time.monotonic() - started  # the message round trips, all clusters
         try:
-            read = read_unmask(got, survivors=survivors, dropped=dropped, neighbours=epoch["neighbours"], threshold=t,
-                               commits={c: u.commits for c, u in uploads.items()})
+            unmasked = read(got)
         except ShareError as err:
             raise StageFailed(f"the unmasking fell short: {err}") from None
-        for holder, why in read.bad.items():
+        for holder, why in unmasked.bad.items():
             self._bad_reply("unmasking", holder, ValueError(why))
-        if read.unreadable:
-            self.report["unreadable"] = read.unreadable
+        if unmasked.unreadable:
+            self.report["unreadable"] = unmasked.unreadable
             log(WARNING, "round %d: shares that holders could not open (tampered or sealed with another key), not "
-                "counted: %s", server_round, read.unreadable)
+                "counted: %s", server_round, unmasked.unreadable)
         orphans, missing = [], []
         for gone in dropped:
             for j in survivors:
                 if gone not in epoch["neighbours"][j]:
                     continue
-                if (j, gone) in read.pair_keys:
-                    orphans.append((pair_sign(j, gone), read.pair_keys[(j, gone)]))
+                if (j, gone) in unmasked.pair_keys:
+                    orphans.append((pair_sign(j, gone), unmasked.pair_keys[(j, gone)]))
                 else:
                     missing.append((j, gone))
         if missing:
-            orphans += self._recover(server_round, missing, answered=set(got) - set(read.bad), node_of=node_of)
-        seeds = [read.seeds[c] for c in survivors]
-        total = np.zeros(self._coordinates() + 1, dtype=np.uint64)
+            orphans += self._recover(held, missing, answered=set(got) - set(unmasked.bad), node_of=node_of)
+        seeds = [unmasked.seeds[c] for c in survivors]
+        total = np.zeros(self._coordinates(held.positions) + 1, dtype=np.uint64)
         for upload in uploads.values():
             total = field.add(total, upload.vector, code=code)
         plain = remove_masks(total, code=code, self_seeds=seeds, orphan_pairs=orphans)
@@ -396,28 +558,27 @@ class SecAggWrapper(NebulaStrategy):
         if weight <= 0:
             raise StageFailed(f"the unmasked weights sum to {weight}; an upload or a share was wrong")
         mean = weighted / weight
-        positions = self.round["positions"]
-        if positions is None:
+        if held.positions is None:
             flat = mean.astype(np.float32)
         else:
             flat = np.zeros(self.inner.layout().size, dtype=np.float32)
-            flat[positions] = mean
+            flat[held.positions] = mean
         self.report.update(unmask_s=time.monotonic() - started, survivors=len(survivors), dropped=dropped)
         return flat, float(weight)
 
-    def _view_signatures(self, base: dict[str, Any], survivors: list[str], node_of: dict[str, int]) -> dict[str, str]:
+    def _view_signatures(self, held: HeldRound, base: dict[str, Any], node_of: dict[str, int]) -> dict[str, str]:
         """Every survivor's signature of the survivor set (the valid ones: the clusters check them anyway)."""
-        assert self.epoch is not None
+        survivors = held.survivors
         got, _ = self._stage({node_of[c]: c for c in survivors},
                              {node_of[c]: {**base, "stage": "view"} for c in survivors}, what="survivor agreement")
-        fields = view_fields(federation=base["federation-id"], epoch=base["epoch"], setup=self.epoch["setup"],
+        fields = view_fields(federation=base["federation-id"], epoch=base["epoch"], setup=held.epoch["setup"],
                              server_round=base["round"],
-                             round_set=self.round["set"], survivors=survivors)
+                             round_set=held.round_set, survivors=survivors)
         signatures = {}
         for cluster, reply in got.items():
             try:
                 sig = parse_signature(reply)
-                if not verify(self.epoch["ids"][cluster], sig, "view", *fields):
+                if not verify(held.epoch["ids"][cluster], sig, "view", *fields):
                     raise ReplyError("its signature of the survivor set does not verify")
                 signatures[cluster] = sig
             except ReplyError as err:
@@ -425,14 +586,13 @@ class SecAggWrapper(NebulaStrategy):
         self.report["signed_view"] = len(signatures)
         return signatures
 
-    def _recover(self, server_round: int, missing: list[tuple[str, str]], *, answered: set[str],
+    def _recover(self, held: HeldRound, missing: list[tuple[str, str]], *, answered: set[str],
                  node_of: dict[str, int]) -> list[tuple[int, bytes]]:
         """Rebuild the mask keys of dropped clusters whose pair keys nobody alive revealed."""
-        assert self.epoch is not None
-        epoch = self.epoch
+        epoch, server_round = held.epoch, held.server_round
         wanted = sorted({gone for _, gone in missing}, key=_order)
         holders = sorted({h for g in wanted for h in epoch["neighbours"][g] if h in answered}, key=_order)
-        request = {"federation-id": self.round["federation"], "epoch": epoch["id"], "stage": "recover",
+        request = {"federation-id": held.federation, "epoch": epoch["id"], "stage": "recover",
                    "round": server_round}
         asked = {h: [g for g in wanted if g in epoch["neighbours"][h]] for h in holders}
         got, _ = self._stage({node_of[h]: h for h in holders},
