@@ -362,7 +362,7 @@ def _f(value: Any, spec: str = ".3f", unit: str = "") -> str:
 def runs_table(results: dict[str, Any]) -> Table:
     table = Table(title="every run (time to target: the ServerApp's clock to the end of that round's evaluation)")
     for col in ("configuration", "side", "link", "target", "final acc", "reached in round", "time to target",
-                "median round 2..R", "steps / round", "busy (rounds >= 2)", "command"):
+                "median round 2..R", "steps / round", "busy (rounds >= 2)", "box CPU busy", "command"):
         table.add_column(col, justify="left" if col in ("configuration", "side", "link") else "right")
     for row in results["runs"].values():
         side = row["side"]
@@ -374,7 +374,7 @@ def runs_table(results: dict[str, Any]) -> Table:
                       f"not in {row['rounds']}" if reached is None and target is not None else _f(reached, "d"),
                       _f(row["time_to_target_s"], ".1f", " s"), _f(row["median_round_s_2_to_R"], ".1f", " s"),
                       _f(row["median_steps"], "g"), _f(row["busy_fraction"], ".2f"),
-                      _f(row["command_seconds"], ".0f", " s"))
+                      _f(row.get("box_cpu_busy"), ".0%"), _f(row["command_seconds"], ".0f", " s"))
     return table
 
 
@@ -501,6 +501,25 @@ def _targets_arg(items: list[str] | None, parser: argparse.ArgumentParser) -> di
     return out
 
 
+def cpu_times() -> list[int] | None:
+    """The whole box's CPU time counters (/proc/stat's first line), or None where there is none."""
+    try:
+        return [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cpu_busy(before: list[int] | None, after: list[int] | None) -> float | None:
+    """The share of the box's CPU time that was busy between two readings (idle and iowait are not): on one box
+    the clusters, the server and Flower share the cores, and a run that already keeps them busy has no idle
+    time for overlapping to fill."""
+    if before is None or after is None or len(before) < 5 or len(after) != len(before):
+        return None
+    spent = [b - a for a, b in zip(before, after)]
+    total = sum(spent[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
+    return None if total <= 0 else 1.0 - (spent[3] + spent[4]) / total
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
@@ -574,7 +593,7 @@ def main() -> int:
         folder = out / side.key.replace("/", "-")
         console.print(f"[bold]{n}/{len(sides)} {side.key}[/bold]" + (f", round-seconds {budget:.2f}" if side.auto else "")
                       + f" ({time.monotonic() - started:.0f} s so far)")
-        launched = time.monotonic()
+        launched, cpu_before = time.monotonic(), cpu_times()
         try:
             _, lines = run_federation(cmd, folder=folder, log=folder.parent / f"{folder.name}.log")
         except SystemExit as err:  # a failed run stops only itself: its figures are null, the reason a note
@@ -583,13 +602,15 @@ def main() -> int:
             continue
         run = {"key": side.key, "side": asdict(side), "round_seconds": budget,
                "command": shlex.join(cmd), "folder": str(folder), "command_seconds": time.monotonic() - launched,
-               "rounds": records_from_lines(lines)}
+               "box_cpu_busy": cpu_busy(cpu_before, cpu_times()), "rounds": records_from_lines(lines)}
         runs[side.key] = run
         if side.reference:
             budgets[side.config] = args.round_seconds or fastest_train_s(run["rounds"])
         (out / "runs.json").write_text(json.dumps(runs, indent=1) + "\n")
         accs = " ".join(_f(r["accuracy"]) for r in run["rounds"])
-        console.print(f"  accuracy by round {accs}; {run['command_seconds']:.0f} s")
+        busy = run["box_cpu_busy"]
+        console.print(f"  accuracy by round {accs}; {run['command_seconds']:.0f} s"
+                      + ("" if busy is None else f"; the box's cores {busy:.0%} busy"))
 
     targets = pick_targets(sides, runs, fixed_targets)
     notes += [f"{config}: {', '.join(t['reached_in_round_1'])} reach the target {t['value']:.4f} in round 1: its "
@@ -598,7 +619,7 @@ def main() -> int:
     values, why = figures(runs, target_of)
     per_run = {key: {"side": run["side"], "rounds": len(run["rounds"]), "round_seconds": run["round_seconds"],
                      "command_seconds": run["command_seconds"], "folder": run["folder"],
-                     **run_summary(run, target_of.get(run["side"]["config"]))} for key, run in runs.items()}
+                     "box_cpu_busy": run.get("box_cpu_busy"), **run_summary(run, target_of.get(run["side"]["config"]))} for key, run in runs.items()}
     hetero_ref = runs.get("hetero/fixed@unthrottled")
     results = {
         "benchmark": "overlap", "machine": machine(), "command": shlex.join([sys.executable, *sys.argv]),

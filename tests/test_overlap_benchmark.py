@@ -205,3 +205,11 @@ def test_targets_per_configuration_chosen_fixed_or_missing():
     assert targets["hop-bound"] == {"value": 0.45, "how": "fixed by --target",
                                     "reached_in_round_1": ["hop-bound/blocking@wan", "hop-bound/overlapped-auto@wan"]}
     assert targets["hetero"]["value"] is None and "did not run" in targets["hetero"]["how"]
+
+
+def test_box_cpu_busy_is_the_share_of_cpu_time_not_idle():
+    bench = overlap
+    before = [100, 0, 50, 800, 50, 0, 0, 0, 0, 0]
+    after = [400, 0, 150, 1000, 50, 0, 0, 0, 0, 0]  # 400 busy, 200 idle of 600
+    assert bench.cpu_busy(before, after) == pytest.approx(400 / 600)
+    assert bench.cpu_busy(None, after) is None and bench.cpu_busy(before, before) is None
