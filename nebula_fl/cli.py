@@ -36,6 +36,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="clusters train on while the network carries their update (sets round-overlap)")
     p.add_argument("--workers-per-cluster", help="DDP workers per cluster: one value or one per cluster, e.g. 1,2")
     p.add_argument("--device", help="cpu or cuda: one value or one per cluster, e.g. cpu,cuda")
+    p.add_argument("--slowdown-per-cluster", help="emulate slower sites on one machine: each step of a cluster takes "
+                   "this many times as long, the extra asleep; one value or one per cluster, e.g. 1,4 (default 1)")
     p.add_argument("--threads-per-cluster", help="torch threads per worker: one value or one per cluster, e.g. 2,1 "
                    "(default: the machine's cores shared evenly by every worker)")
     p.add_argument("--task", help="what to train: classify (default), mlm (pre-training), distill, or an installed "
@@ -72,6 +74,9 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=1, help="data-parallel workers (DDP ranks)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (nccl)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
+    p.add_argument("--slowdown", type=float, default=1.0,
+                   help="emulate a slower site: every step takes this many times as long, the extra time asleep "
+                   "(no CPU used), e.g. 4 for a quarter of the compute; default 1")
     p.add_argument("--model", default="minilm", help="'minilm' or a transformers model folder (the same model as the server)")
     p.add_argument("--state-dir", default="nebula-trainer-state",
                    help="the cluster's own folder: its privacy ledger (for life), round snapshots, reply cache")
@@ -240,6 +245,7 @@ def _trainer(args: argparse.Namespace) -> int:
         cluster_id=args.cluster_id, socket_path=Path(args.socket).expanduser().resolve(),
         state_dir=Path(args.state_dir).expanduser().resolve(), model_path=resolve_model_path(args.model),
         shard=shard, workers=args.workers, device=args.device, threads=threads, policy=policy,
+        slowdown=args.slowdown,
     )
     return run_trainer(opts)
 

@@ -88,13 +88,20 @@ def test_time_to_target_is_the_elapsed_clock_of_the_first_round_there():
     assert overlap.time_to_target(r["rounds"], 0.7) == 35.0  # 5 s start-up + 10 + 20
     assert overlap.time_to_target(r["rounds"], 0.95) is None
     assert overlap.time_to_target(r["rounds"], None) is None
+    # a record that says when its adapter was aggregated is timed from that, its evaluation apart
+    line = {"round": 1, "accuracy": 0.9, "elapsed_seconds": 40.0, "aggregated_seconds": 31.0, "seconds": 9.0}
+    rec = overlap.records_from_lines([line])
+    assert overlap.time_to_target(rec, 0.8) == 31.0 and overlap.time_to_target(rec, 0.8, at="elapsed_s") == 40.0
 
 
-def test_the_target_is_the_lowest_reference_accuracy_above_every_round_one():
+def test_the_target_is_the_reference_final_accuracy_else_its_lowest_above_every_round_one():
     _, ref = run("demo", "blocking", [0.60, 0.80, 0.78, 0.90])
     _, other = run("demo", "overlapped", [0.70, 0.75, 0.85, 0.88])
-    # round 1s: 0.60 and 0.70; the reference's rounds >= 2 above 0.70: 0.80, 0.78, 0.90 -> 0.78
-    assert overlap.choose_target(ref["rounds"], [ref["rounds"], other["rounds"]]) == 0.78
+    # round 1s: 0.60 and 0.70; the reference ends at 0.90, above both
+    assert overlap.choose_target(ref["rounds"], [ref["rounds"], other["rounds"]]) == 0.90
+    _, early = run("demo", "overlapped", [0.92, 0.93, 0.95, 0.95])
+    _, dip = run("demo", "blocking", [0.60, 0.95, 0.93, 0.91])  # its final is below a round 1: the lowest above it
+    assert overlap.choose_target(dip["rounds"], [dip["rounds"], early["rounds"]]) == 0.93
     _, high = run("demo", "overlapped-auto", [0.95, 0.96, 0.97, 0.97])
     assert overlap.choose_target(ref["rounds"], [ref["rounds"], high["rounds"]]) is None
     runs = dict([run("demo", "a", [0.79, 0.9]), run("demo", "b", [0.5, 0.9])])
@@ -153,9 +160,9 @@ def test_a_side_that_never_reaches_the_target_gives_null_not_a_number():
 
 def test_calibration_and_per_step_times():
     _, r = run("hetero", "fixed", [0.5, 0.6, 0.7], train_s=[4.0, 16.0], steps=8)
-    assert overlap.fastest_train_s(r["rounds"]) == 4.0
-    r["rounds"][0]["clusters"]["0"]["train_s"] = 1.0  # round 1 (warm-up) only counts when it is the only one
-    assert overlap.fastest_train_s(r["rounds"]) == 4.0 and overlap.fastest_train_s(r["rounds"][:1]) == 1.0
+    assert overlap.slowest_train_s(r["rounds"]) == 16.0  # the slow cluster's: the fast one trains through its wait
+    r["rounds"][0]["clusters"]["1"]["train_s"] = 30.0  # round 1 (warm-up) only counts when it is the only one
+    assert overlap.slowest_train_s(r["rounds"]) == 16.0 and overlap.slowest_train_s(r["rounds"][:1]) == 30.0
     assert overlap.seconds_per_step(r["rounds"]) == {"0": 0.5, "1": 2.0}
     assert overlap.median_round_s(r["rounds"]) == 10.0 and overlap.median_steps(r["rounds"]) == 8
 
@@ -201,7 +208,7 @@ def test_targets_per_configuration_chosen_fixed_or_missing():
     del runs["hetero/fixed@unthrottled"]
     targets = overlap.pick_targets(sides, runs, {"hop-bound": 0.45})
     assert set(targets) == {"demo", "hop-bound", "hetero"}
-    assert targets["demo"]["value"] == 0.85 and targets["demo"]["reached_in_round_1"] == []
+    assert targets["demo"]["value"] == 0.9 and targets["demo"]["reached_in_round_1"] == []  # blocking's final
     assert targets["hop-bound"] == {"value": 0.45, "how": "fixed by --target",
                                     "reached_in_round_1": ["hop-bound/blocking@wan", "hop-bound/overlapped-auto@wan"]}
     assert targets["hetero"]["value"] is None and "did not run" in targets["hetero"]["how"]

@@ -56,6 +56,7 @@ class WorkerContext:
     shard: TextDataset
     state_dir: Path
     control: Any  # the gloo process group for control messages
+    slowdown: float = 1.0  # emulate a slower site: each step takes this many times as long (the extra asleep)
 
 
 class RequestError(NebulaError):
@@ -229,7 +230,8 @@ class ClusterTrainer:
             return scheduled_lr(self.base_lr, progress=(done_before + i) / total_steps,
                                 schedule=train_cfg.lr_schedule, min_ratio=train_cfg.lr_min_ratio)
 
-        keep_going = None if seconds is None else self._deadline(seconds)
+        pacer = Pacer(self.ctx.slowdown)
+        keep_going = pacer.wrap(None if seconds is None else self._deadline(seconds))
         if count <= 0:
             return []
         if self.mode == "sample":
@@ -237,11 +239,14 @@ class ClusterTrainer:
 
             self.optimizer.noise_multiplier = admission.noise_multiplier
             self.optimizer.max_grad_norm = admission.max_grad_norm
-            return train_private_steps(self.private, self.batches, steps=count, device=self.ctx.device, lr_at=lr_at,
-                                       keep_going=keep_going)
-        return train_steps(self.model, self.optimizer, self.data, self.schedule, steps=count,
-                           max_grad_norm=train_cfg.max_grad_norm, device=self.ctx.device, lr_at=lr_at,
-                           loss_fn=self.task.loss, keep_going=keep_going)
+            losses = train_private_steps(self.private, self.batches, steps=count, device=self.ctx.device,
+                                         lr_at=lr_at, keep_going=keep_going)
+        else:
+            losses = train_steps(self.model, self.optimizer, self.data, self.schedule, steps=count,
+                                 max_grad_norm=train_cfg.max_grad_norm, device=self.ctx.device, lr_at=lr_at,
+                                 loss_fn=self.task.loss, keep_going=keep_going)
+        pacer.finish(len(losses))
+        return losses
 
     def _deadline(self, seconds: float):
         """A step predicate for a time budget: true until `seconds` have passed on rank 0 (after the first step);
@@ -434,6 +439,38 @@ class ClusterTrainer:
                     f"{self.ctx.world} now; restart it with --workers {saved['world']}"
                 )
             self.load_state_dict(saved["ranks"][self.ctx.rank])
+
+
+class Pacer:
+    """A slowdown: after each step, sleep (slowdown − 1) times that step's time, so a cluster on one shared machine
+    runs as a slower site would without taking the CPU from the others (heterogeneous federations on one box)."""
+
+    def __init__(self, slowdown: float) -> None:
+        self.slowdown, self.mark, self.rested = slowdown, time.monotonic(), 0
+
+    def _rest(self) -> None:
+        time.sleep((self.slowdown - 1.0) * (time.monotonic() - self.mark))
+        self.mark = time.monotonic()
+        self.rested += 1
+
+    def wrap(self, keep_going):
+        """`keep_going` (or always-go) that first rests after the step before."""
+        if self.slowdown <= 1.0:
+            return keep_going
+
+        def paced(done: int) -> bool:
+            if done > 0:
+                self._rest()
+            else:
+                self.mark = time.monotonic()
+            return True if keep_going is None else keep_going(done)
+
+        return paced
+
+    def finish(self, steps: int) -> None:
+        """The rest after the last step."""
+        if self.slowdown > 1.0 and self.rested < steps:
+            self._rest()
 
 
 def _checksum(arrays: Arrays) -> float:

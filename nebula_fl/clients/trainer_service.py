@@ -86,6 +86,7 @@ class TrainerOptions:
     device: str = "cpu"
     threads: int = 1
     policy: PrivacyPolicy = field(default_factory=PrivacyPolicy)
+    slowdown: float = 1.0  # emulate a slower site: each step takes this many times as long (asleep, no CPU)
 
 
 def _device_for(rank: int, device: str):
@@ -122,6 +123,7 @@ def _worker_main(rank: int, opts: TrainerOptions, init_file: str, parent: int) -
         WorkerContext(
             rank=rank, world=opts.workers, cluster_id=opts.cluster_id, device=device,
             model_path=opts.model_path, shard=opts.shard, state_dir=opts.state_dir, control=control,
+            slowdown=opts.slowdown,
         )
     )
     if rank == 0:
@@ -452,6 +454,8 @@ def run_trainer(opts: TrainerOptions) -> int:
 
     if opts.workers < 1:
         raise NebulaError(f"--workers is {opts.workers}; use 1 or more")
+    if not 1.0 <= opts.slowdown <= 1000.0:
+        raise NebulaError(f"--slowdown is {opts.slowdown:g}; use 1 (none) to 1000")
     if len(opts.shard) < opts.workers:
         raise NebulaError(f"cluster {opts.cluster_id} has {len(opts.shard)} examples for {opts.workers} workers")
     if opts.device == "cuda":

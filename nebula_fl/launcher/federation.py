@@ -202,6 +202,7 @@ class Federation:
                 "--dataset", cfg.data.dataset, "--num-clusters", str(plan.clusters), "--partition", cfg.data.partition,
                 "--seed", str(cfg.federation.seed), "--test-fraction", str(cfg.data.test_fraction),
                 "--max-examples", str(cfg.data.max_examples),
+                *(["--slowdown", f"{plan.slowdown_per_cluster[i]:g}"] if plan.slowdown_per_cluster else []),
                 "--privacy-policy", str(self._write_policy(i, roster)),
             ]
             proc = self.procs.start(f"trainer-{i}", argv, log_path=self.logs / f"trainer-{i}.log", env=env)

@@ -50,6 +50,7 @@ class LaunchPlan:
     rewind: bool = False  # move damaged newest checkpoints aside before resuming (RunFolder.rewind_checkpoints)
     cluster_policies: dict[int, dict[str, Any]] | None = None  # an operator's own policy fields, over the run's
     threads_per_cluster: list[int] | None = None  # --threads-per-cluster: torch threads per worker, per cluster
+    slowdown_per_cluster: list[float] | None = None  # --slowdown-per-cluster: emulated slower sites on one box
 
     @property
     def threads(self) -> list[int]:
@@ -64,6 +65,7 @@ class LaunchPlan:
     def launcher_record(self) -> dict[str, Any]:
         return {"clusters": self.clusters, "workers": self.workers, "devices": self.devices, "port": self.port,
                 "wan": self.wan, "secure": self.secure, "threads_per_cluster": self.threads_per_cluster,
+                "slowdown_per_cluster": self.slowdown_per_cluster,
                 "cluster_policies": {str(k): v for k, v in (self.cluster_policies or {}).items()}}
 
 
@@ -125,6 +127,17 @@ def _threads(text: str) -> int:
     return value
 
 
+def _slowdown(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 1.0 <= value <= 1000.0:
+        raise NebulaError(f"--slowdown-per-cluster has '{text}'; use a factor from 1 (none) to 1000 per cluster, "
+                          "e.g. 1,4")
+    return value
+
+
 def _device(text: str) -> str:
     if text not in ("cpu", "cuda"):
         raise NebulaError(f"--device has '{text}'; use cpu or cuda (one value, or one per cluster)")
@@ -179,11 +192,14 @@ def make_plan(args: Any) -> LaunchPlan:
     workers = _per_cluster(args.workers_per_cluster or "1", clusters, "--workers-per-cluster", _positive_int)
     devices = _per_cluster(args.device or "cpu", clusters, "--device", _device)
     threads = getattr(args, "threads_per_cluster", None)
+    slowdown = getattr(args, "slowdown_per_cluster", None)
     plan = LaunchPlan(config=config, out=out, clusters=clusters, workers=workers, devices=devices,
                       port=args.port, resume=False, wan=_wan_profiles(args.wan, clusters),
                       secure=bool(getattr(args, "secure", None)),
                       threads_per_cluster=_per_cluster(threads, clusters, "--threads-per-cluster", _threads)
                       if threads else None,
+                      slowdown_per_cluster=_per_cluster(slowdown, clusters, "--slowdown-per-cluster", _slowdown)
+                      if slowdown else None,
                       cluster_policies=_cluster_policies(getattr(args, "cluster_policy", None), clusters))
     _check(plan)
     return plan
@@ -192,7 +208,8 @@ def make_plan(args: Any) -> LaunchPlan:
 def _resume_plan(args: Any) -> LaunchPlan:
     given = [name for name in ("clusters", "local_steps", "round_overlap", "outer_optimizer", "partition", "seed", "out", "run_config",
                                "workers_per_cluster", "device", "preset", "codec", "wan", "secure", "secure_aggregation",
-                               "task", "cluster_policy", "threads_per_cluster")
+                               "task", "cluster_policy", "threads_per_cluster",
+                               "slowdown_per_cluster")
              if getattr(args, name, None) is not None]
     if given:
         raise NebulaError(
@@ -224,6 +241,7 @@ def _resume_plan(args: Any) -> LaunchPlan:
                       workers=list(launcher["workers"]), devices=list(launcher["devices"]),
                       port=args.port, resume=True, wan=launcher.get("wan"), secure=bool(launcher.get("secure")),
                       rewind=rewind, threads_per_cluster=launcher.get("threads_per_cluster"),
+                      slowdown_per_cluster=launcher.get("slowdown_per_cluster"),
                       cluster_policies={int(k): v for k, v in (launcher.get("cluster_policies") or {}).items()})
     _check(plan)
     return plan

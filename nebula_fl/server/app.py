@@ -235,6 +235,9 @@ class ServerRun:
     def _measure_round(self, outcome: RoundOutcome) -> None:
         """Read the WAN proxies' counters when the round ends (its record may be written during the next one)."""
         outcome.measured["wan"] = self.wan.read_round() if self.wan else {}
+        # when the round's global adapter existed (its evaluation, record and checkpoint may come later): the time
+        # the adapter reached its accuracy, apart from how long measuring it took
+        outcome.measured["aggregated_seconds"] = self.wall_before + time.monotonic() - self.started
 
     def _record_round(self, outcome: RoundOutcome) -> None:
         previous = self.folder.rounds()
@@ -279,6 +282,8 @@ class ServerRun:
             **self._wan_totals(previous, wan),
             "seconds": outcome.seconds,
             "elapsed_seconds": elapsed,
+            **({"aggregated_seconds": outcome.measured["aggregated_seconds"]}
+               if "aggregated_seconds" in outcome.measured else {}),
             "clusters": clusters,
             "rejected": rejected,
             "skipped": outcome.skipped,
