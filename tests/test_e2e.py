@@ -116,6 +116,11 @@ def test_interrupt_after_round_one_then_resume_loses_and_repeats_nothing(tiny_mo
     # evaluated while the next round trains (its record and checkpoint too); the reference below does not overlap
     overlapped = ["run", "--preset", "smoke", "--clusters", "2", "--port", "0", "--out", str(out),
                   "--run-config", f'model="{tiny_model}" {TINY} eval-overlap=true', *lossy]
+    # The same run, uninterrupted and not evaluation-overlapped, beside it: the resumed federation must end on the
+    # very same adapter.
+    reference = tmp_path / "reference"
+    third = run_cli("run", "--preset", "smoke", "--clusters", "2", "--port", "0", "--out", str(reference),
+                    "--run-config", f'model="{tiny_model}" {TINY} eval-overlap=false', *lossy, name="reference")
     first = run_cli(*overlapped, name="first")
     assert first.wait(300, until=lambda: len(rounds_of(out)) >= 1) == -1, first.output()[-3000:]
     first.popen.send_signal(signal.SIGINT)
@@ -134,10 +139,6 @@ def test_interrupt_after_round_one_then_resume_loses_and_repeats_nothing(tiny_mo
     assert json.loads((out / "config.json").read_text())["run_config"]["eval-overlap"] is True
     assert json.loads((out / "config.json").read_text())["run_config"]["round-overlap"] is True
 
-    # The same run, uninterrupted and not overlapped: the resumed federation ends on the very same adapter.
-    reference = tmp_path / "reference"
-    third = run_cli("run", "--preset", "smoke", "--clusters", "2", "--port", "0", "--out", str(reference),
-                    "--run-config", f'model="{tiny_model}" {TINY} eval-overlap=false', *lossy, name="reference")
     assert third.wait(300) == 0, third.output()[-3000:]
     resumed, straight = load_file(str(out / "adapter.safetensors")), load_file(str(reference / "adapter.safetensors"))
     assert set(resumed) == set(straight)

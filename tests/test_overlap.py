@@ -114,7 +114,7 @@ def test_fixed_overlap_is_the_same_whatever_the_timing_and_resumes_exactly(tmp_p
     on = {"round-overlap": True}
     proc, sock = start(tmp_path, tiny_model, "slow")
     try:
-        _, slow, m_slow = rounds(sock, make, make.start, 3, pause=4.0, **on)  # the hop: time to train ahead
+        _, slow, m_slow = rounds(sock, make, make.start, 3, pause=2.5, **on)  # the hop: time to train ahead
     finally:
         stop_trainer(proc)
     proc, sock = start(tmp_path, tiny_model, "fast", state="fast")
@@ -140,8 +140,8 @@ def test_fixed_overlap_is_the_same_whatever_the_timing_and_resumes_exactly(tmp_p
     # round 2 started from the cluster's own weights (one round stale), not from the new global
     assert any(not np.array_equal(blocking[1][k], slow[1][k]) for k in slow[1])
     assert all(m["steps"] == 4 for m in m_slow)
-    # trained ahead during the pause: rounds 2 and 3 had little left to do, and the cluster was busy for 4 steps
-    assert "since-send-seconds" not in m_slow[0] and m_slow[1]["since-send-seconds"] >= 4.0
+    # trained ahead during the pause: rounds 2 and 3 had little left to do
+    assert "since-send-seconds" not in m_slow[0] and m_slow[1]["since-send-seconds"] >= 2.5
     assert m_slow[1]["seconds"] < m_slow[1]["busy-seconds"]
     assert re.search(r"round 2: .*busy \d+% of", (tmp_path / "slow.log").read_text())
 
@@ -155,12 +155,12 @@ def test_time_budgeted_rounds_train_until_the_message_and_charge_the_steps_taken
     proc, sock = start(tmp_path, tiny_model, "auto", "--max-epsilon", "100000", workers=1)
     try:
         _, _, blocking = rounds(sock, make, make.start, 2, **auto)
-        _, _, overlapped = rounds(sock, make, make.start, 3, first=3, pause=3.0, **auto, **{"round-overlap": True})
+        _, _, overlapped = rounds(sock, make, make.start, 3, first=3, pause=2.0, **auto, **{"round-overlap": True})
     finally:
         stop_trainer(proc)
     assert all(1 <= m["steps"] < 400 for m in blocking + overlapped)
     assert all(m["seconds"] >= 1.0 for m in blocking)  # the budget, then one step to finish
-    # rounds 4 and 5: the steps came from the 3 s hop, the message ended the round (nothing left to train)
+    # rounds 4 and 5: the steps came from the 2 s hop, the message ended the round (nothing left to train)
     assert all(m["seconds"] < 1.0 and m["busy-seconds"] > 1.0 for m in overlapped[1:])
     assert overlapped[-1]["busy-seconds"] / overlapped[-1]["since-send-seconds"] > 0.3
     taken = sum(m["steps"] for m in blocking + overlapped)
@@ -174,12 +174,12 @@ def test_steps_trained_ahead_under_another_mechanism_are_set_aside_not_released(
               "privacy-noise-shares": 1, "federation-id": "fedc"}
     proc, sock = start(tmp_path, tiny_model, "mech", workers=1)
     try:
-        _, _, first = rounds(sock, make, make.start, 1, pause=3.0, **dp)
+        _, _, first = rounds(sock, make, make.start, 1, pause=2.0, **dp)
         _, _, second = rounds(sock, make, make.start, 1, first=2, **{**dp, "privacy.noise-multiplier": 2.0})
-        time.sleep(3.0)  # round 3 is trained ahead, but the server skips this cluster to round 4
+        time.sleep(2.0)  # round 3 is trained ahead, but the server skips this cluster to round 4
         _, _, fourth = rounds(sock, make, make.start, 1, first=4, **{**dp, "privacy.noise-multiplier": 2.0})
         # client-level DP, overlapped: one clipped and noised release per round, what was trained ahead in it
-        _, sent, released = rounds(sock, make, make.start, 2, pause=3.0, **client)
+        _, sent, released = rounds(sock, make, make.start, 2, pause=2.0, **client)
     finally:
         stop_trainer(proc)
     log = (tmp_path / "mech.log").read_text()

@@ -20,13 +20,25 @@ def records(out):
 
 
 def test_secure_aggregation_learns_what_the_plain_run_learns(tiny_model, run_cli, tmp_path):
-    plain, secure = tmp_path / "plain", tmp_path / "secure"
-    # side by side: both wait on Flower's polling far more than they compute
+    """And, overlapped, round r's unmask request rides on round r+1's train message and its answer on the reply:
+    no `query.secagg` trip in any round but the last, whose own sum is unmasked at once (one trip) so the final
+    global holds every round; round 1 applies nothing yet (its sum lands in round 2) and is no skipped round."""
+    plain, secure, overlap = tmp_path / "plain", tmp_path / "secure", tmp_path / "overlap"
+    # side by side: all three wait on Flower's polling far more than they compute
     a = run_cli(*smoke_args(tiny_model, plain, *ARGS), name="plain")
     b = run_cli(*smoke_args(tiny_model, secure, *ARGS, "--secure-aggregation"), name="secure")
+    c = run_cli(*smoke_args(tiny_model, overlap, *ARGS, "--secure-aggregation", "--round-overlap"), name="overlap")
     assert a.wait(500) == 0, a.output()[-3000:]
     assert b.wait(500) == 0, b.output()[-3000:]
-    assert b.survivors() == []
+    assert c.wait(500) == 0, c.output()[-3000:]
+    assert b.survivors() == [] and c.survivors() == []
+    summary, over = records(overlap)
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 3 and not summary["skipped_rounds"]
+    assert summary["final_accuracy"] is not None and over[-1]["accuracy"] is not None
+    assert [x["secagg"]["extra_trips"] for x in over] == [0, 0, 1]
+    assert [x["secagg"]["unmasked_rounds"] for x in over] == [[], [1], [2, 3]]
+    assert over[0]["secagg"]["setup_trips"] == 2 and all("setup_trips" not in x["secagg"] for x in over[1:])
+    assert [x["clusters_aggregated"] for x in over] == [0, 3, 3]
     (ps, _), (ss, lines) = records(plain), records(secure)
     assert ss["status"] == "completed" and ss["rounds_completed"] == 3 and not ss["skipped_rounds"]
     assert abs(ss["final_accuracy"] - ps["final_accuracy"]) <= 0.005
@@ -80,22 +92,3 @@ def test_client_level_dp_splits_the_noise_and_clusters_refuse_a_plain_or_a_weak_
     assert [line.split()[0] for line in peers if line and not line.startswith("#")] == ["0", "1", "2", "3"]
     refused = records(plain)[0]["privacy"]["clusters"]["1"]
     assert refused["refusal"] == "policy" and "requires secure aggregation" in refused["reason"]
-
-
-def test_with_round_overlap_a_round_nobody_drops_out_of_costs_no_extra_trip(tiny_model, run_cli, tmp_path):
-    """Round r's unmask request rides on round r+1's train message and its answer on the reply: no `query.secagg`
-    trip in any round but the last, whose own sum is unmasked at once (one trip) so the final global holds every
-    round; round 1 applies nothing yet (its sum lands in round 2) and is no skipped round."""
-    out = tmp_path / "overlap"
-    args = list(smoke_args(tiny_model, out, *ARGS, "--secure-aggregation"))
-    args[args.index("--run-config") + 1] += " round-overlap=true"
-    cli = run_cli(*args, name="secure-overlap")
-    assert cli.wait(500) == 0, cli.output()[-3000:]
-    assert cli.survivors() == []
-    summary, lines = records(out)
-    assert summary["status"] == "completed" and summary["rounds_completed"] == 3 and not summary["skipped_rounds"]
-    assert summary["final_accuracy"] is not None and lines[-1]["accuracy"] is not None
-    assert [x["secagg"]["extra_trips"] for x in lines] == [0, 0, 1]
-    assert [x["secagg"]["unmasked_rounds"] for x in lines] == [[], [1], [2, 3]]
-    assert lines[0]["secagg"]["setup_trips"] == 2 and all("setup_trips" not in x["secagg"] for x in lines[1:])
-    assert [x["clusters_aggregated"] for x in lines] == [0, 3, 3]
