@@ -72,7 +72,8 @@ class ClusterTrainer:
         self.tokenizer = None
         self.anchor: Arrays | None = None  # overlapped rounds: the weights right after the last send
         self.ahead = Ahead()  # trained since the last send, not yet sent
-        self.last_config: dict[str, Any] | None = None
+        self.last_config: dict[str, Any] | None = None  # the last round sent, and its train section parsed
+        self.last_train: TrainConfig | None = None
         self.last_admission: Admission | None = None
         self.sent_at: float | None = None  # monotonic time of the last send (this process)
         self.last_rounds = 1
@@ -96,10 +97,8 @@ class ClusterTrainer:
         """
         server_round = int(config["server-round"])
         train_cfg, global_arrays, view = self._start_round(config, payload, admission)
-        if admission.mode != "off" and self.ahead.steps == 0:
-            # Every release draws fresh noise from the OS: replaying a round, or resuming, never repeats
-            # (or lets anyone predict) a noise vector. Runs under DP are therefore not bit-reproducible.
-            torch.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        if admission.mode != "off" and self.ahead.steps == 0:  # (trained ahead: seeded when that began)
+            _fresh_noise_seed()
         started = time.monotonic()
         todo = steps_on_arrival(fixed=train_cfg.local_steps, ahead=self.ahead.steps, overlap=train_cfg.round_overlap)
         losses = self.ahead.losses + self._train(
@@ -127,7 +126,7 @@ class ClusterTrainer:
         out, encode_seconds = self._encode(update, config)
         self.exchange.keep_view(view, server_round)
         self.round = server_round
-        self.last_config, self.last_admission = config, admission
+        self.last_config, self.last_train, self.last_admission = config, train_cfg, admission
         self.ahead = Ahead()
         self._save_snapshot()
         now = time.monotonic()
@@ -157,11 +156,10 @@ class ClusterTrainer:
     def wants_ahead(self) -> int:
         """Steps to train now, between messages (rank 0 asks): none unless the last round overlaps, its state is
         current and the run has rounds left."""
-        cfg = self.last_config
-        if (cfg is None or not self.state_valid or self.anchor is None or self.round is None
+        cfg, train_cfg = self.last_config, self.last_train
+        if (cfg is None or train_cfg is None or not self.state_valid or self.anchor is None or self.round is None
                 or self.round >= int(cfg.get("num-server-rounds", self.round + 1))):
             return 0
-        train_cfg = TrainConfig.from_flat(cfg)
         if not train_cfg.round_overlap:
             return 0
         cap = train_cfg.steps_cap
@@ -172,13 +170,12 @@ class ClusterTrainer:
     def train_ahead(self, count: int) -> None:
         """Train `count` steps of the next round now, under the last round's config and mechanism. Same call on
         every rank; nothing is sent or charged until the next round's message (clients/overlap.py)."""
-        assert self.last_config is not None and self.round is not None
-        train_cfg = TrainConfig.from_flat(self.last_config)
-        admission = self.last_admission
+        assert self.last_train is not None and self.round is not None
+        train_cfg, admission = self.last_train, self.last_admission
         if self.ahead.steps == 0:
             self.ahead.admission = admission
             if admission is not None and admission.mode != "off":
-                torch.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+                _fresh_noise_seed()
         started = time.monotonic()
         self.ahead.losses += self._train(self.round + 1, train_cfg, admission, first=self.ahead.steps, count=count)
         if self.ctx.device.type == "cuda":
@@ -439,6 +436,12 @@ class ClusterTrainer:
                     f"{self.ctx.world} now; restart it with --workers {saved['world']}"
                 )
             self.load_state_dict(saved["ranks"][self.ctx.rank])
+
+
+def _fresh_noise_seed() -> None:
+    """Every release draws fresh noise from the OS: replaying a round, or resuming, never repeats (or lets anyone
+    predict) a noise vector. Runs under DP are therefore not bit-reproducible."""
+    torch.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
 
 
 class Pacer:
