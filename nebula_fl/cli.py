@@ -35,7 +35,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--round-overlap", action="store_true", default=None,
                    help="clusters train on while the network carries their update (sets round-overlap)")
     p.add_argument("--workers-per-cluster", help="DDP workers per cluster: one value or one per cluster, e.g. 1,2")
-    p.add_argument("--device", help="cpu or cuda: one value or one per cluster, e.g. cpu,cuda")
+    p.add_argument("--device", help="per cluster (comma-separated, or one for all): cpu, cuda (one GPU per worker), "
+                   "cuda:N, or one device per worker joined by '+', e.g. cuda:0+cuda:1,cpu; GPU numbers as "
+                   "CUDA_VISIBLE_DEVICES shows them")
+    p.add_argument("--precision", help="auto (bf16 autocast on GPU, fp32 on CPU; fp32 under per-example DP), fp32 or "
+                   "bf16: one value or one per cluster")
     p.add_argument("--slowdown-per-cluster", help="emulate slower sites on one machine: each step of a cluster takes "
                    "this many times as long, the extra asleep; one value or one per cluster, e.g. 1,4 (default 1)")
     p.add_argument("--threads-per-cluster", help="torch threads per worker: one value or one per cluster, e.g. 2,1 "
@@ -72,7 +76,12 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--socket", required=True, help="Unix socket path the ClientApp connects to")
     p.add_argument("--cluster-id", type=int, default=0, help="this cluster's id (shown in the server's metrics)")
     p.add_argument("--workers", type=int, default=1, help="data-parallel workers (DDP ranks)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (nccl)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (gloo), cuda (worker r on GPU r, nccl), cuda:N (one worker), or one device per worker "
+                   "joined by '+', e.g. cuda:0+cuda:2; GPU numbers as CUDA_VISIBLE_DEVICES shows them")
+    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
+                   help="auto: bf16 autocast on GPU, fp32 on CPU and under per-example DP; the exchanged tensors "
+                   "stay fp32 either way")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
     p.add_argument("--slowdown", type=float, default=1.0,
                    help="emulate a slower site: every step takes this many times as long, the extra time asleep "
@@ -244,7 +253,7 @@ def _trainer(args: argparse.Namespace) -> int:
     opts = TrainerOptions(
         cluster_id=args.cluster_id, socket_path=Path(args.socket).expanduser().resolve(),
         state_dir=Path(args.state_dir).expanduser().resolve(), model_path=resolve_model_path(args.model),
-        shard=shard, workers=args.workers, device=args.device, threads=threads, policy=policy,
+        shard=shard, workers=args.workers, device=args.device, precision=args.precision, threads=threads, policy=policy,
         slowdown=args.slowdown,
     )
     return run_trainer(opts)

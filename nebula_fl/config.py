@@ -207,6 +207,9 @@ class FederationConfig(Section):
     """Evaluate the initial global adapter as round 0 (the first point of every curve)."""
     eval_batch_size: int = 64
     """Batch size of the server-side evaluation; 1 to 65,536."""
+    server_device: str = "auto"
+    """Where the server evaluates: auto (the first GPU the ServerApp's host shows, else the CPU), cpu, cuda or
+    cuda:N. Evaluation is the server's one heavy step; on a GPU host it leaves the CPU for Flower's hops."""
     eval_overlap: bool = True
     """Evaluate round r (and write its record and checkpoint) while the clusters train round r+1, instead of
     before sending it: the server's evaluation leaves the round's critical path. Even on one 2-core machine
@@ -230,6 +233,9 @@ class FederationConfig(Section):
         _bool("eval-initial", self.eval_initial)
         _int("eval-batch-size", self.eval_batch_size, low=1, high=65_536, fix="use 1 or more (at most 65536)")
         _bool("eval-overlap", self.eval_overlap)
+        if not (isinstance(self.server_device, str) and re.fullmatch(r"auto|cpu|cuda(:\d{1,3})?", self.server_device)):
+            raise ConfigError(f"config key 'server-device' is {_show(self.server_device)}; use auto, cpu, cuda or "
+                              "cuda:N")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -35,6 +35,7 @@ BAD: dict[str, list] = {
     "eval-initial": BOOL_BAD,
     "eval-overlap": BOOL_BAD,
     "eval-batch-size": [-1, 0, 65_537, *INT_BAD],
+    "server-device": ["", "gpu", "cuda:", "cuda:1000", "cuda:-1", "auto\n", " cpu", *TEXT_BAD],
     # data
     "dataset": ["", "a\x00b", "a\nb", "\u2028", "x" * 4096, "a" * 256, NOT_A_USER, *TEXT_BAD],
     "partition": ["", "shards", "dirichlet:-1", "dirichlet:0", "dirichlet:nan", "dirichlet:inf", "dirichlet:1e7",

@@ -90,8 +90,9 @@ def test_two_clusters_two_rounds_with_real_flower(tiny_model, run_cli, tmp_path)
 
 
 def test_frozen_a_runs_end_to_end_and_sends_only_b_and_the_head(tiny_model, run_cli, tmp_path):
+    """Also: one cluster trains under bf16 autocast (on CPU here), and still sends fp32 tensors the others use."""
     out = tmp_path / "run"
-    args = ["run", "--preset", "smoke", "--clusters", "2", "--port", "0", "--out", str(out),
+    args = ["run", "--preset", "smoke", "--clusters", "2", "--port", "0", "--out", str(out), "--precision", "auto,bf16",
             "--run-config", f'model="{tiny_model}" {TINY} lora-mode="frozen-a"']
     cli = run_cli(*args, name="frozen-a")
     assert cli.wait(300) == 0, cli.output()[-4000:]
@@ -104,6 +105,8 @@ def test_frozen_a_runs_end_to_end_and_sends_only_b_and_the_head(tiny_model, run_
     sent = sum(v.nbytes for v in adapter.values())  # B and the head only: what each update carries
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert sent < first["clusters"]["0"]["bytes_up"] < 1.2 * sent + 4000
+    assert [first["clusters"][c]["precision"] for c in "01"] == ["fp32", "bf16"]
+    assert all(v.dtype == np.float32 for v in adapter.values())
 
 
 def test_interrupt_after_round_one_then_resume_loses_and_repeats_nothing(tiny_model, run_cli, tmp_path):

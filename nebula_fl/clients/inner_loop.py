@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nebula_fl.devices import autocast
 from nebula_fl.tasks.base import Examples
 
 
@@ -79,10 +80,12 @@ def train_steps(
     lr_at: Callable[[int], float] | None = None,
     loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor] = classification_loss,
     keep_going: Callable[[int], bool] | None = None,
+    precision: str = "fp32",
 ) -> list[float]:
     """Run up to `steps` optimizer steps (step i at learning rate `lr_at(i)`) on the task's loss (`loss_fn`, a
     Task's ``loss``), fewer when `keep_going(steps done)` says stop (a time budget); returns this worker's loss
-    per step."""
+    per step. With `precision` 'bf16' the forward and loss run under autocast; weights, gradients and the
+    optimizer stay fp32, so what a cluster exchanges is fp32 whatever it trains in."""
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     losses = []
@@ -92,7 +95,8 @@ def train_steps(
         if lr_at is not None:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(i)
-        loss = loss_fn(model, data.batch(schedule.next_indices(), device))
+        with autocast(device, precision):
+            loss = loss_fn(model, data.batch(schedule.next_indices(), device))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if max_grad_norm > 0:

@@ -48,4 +48,6 @@ class SnapshotStore:
         return earlier[-1] if earlier else None
 
     def load(self, server_round: int) -> dict[str, Any]:
-        return torch.load(self._path(server_round), weights_only=True)
+        # onto the CPU first: a snapshot written on a GPU restores on a machine without one (or with another
+        # numbering); the optimizer moves its state to its parameters' device as it loads it
+        return torch.load(self._path(server_round), weights_only=True, map_location="cpu")

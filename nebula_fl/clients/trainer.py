@@ -38,6 +38,7 @@ from nebula_fl.clients.reply_cache import FEDERATION_ID
 from nebula_fl.clients.snapshots import SnapshotStore
 from nebula_fl.config import ModelConfig, PrivacyConfig, TrainConfig
 from nebula_fl.data.datasets import TextDataset
+from nebula_fl.devices import resolve_precision
 from nebula_fl.errors import NebulaError
 from nebula_fl.privacy.dp_recipe import learning_rate, logical_batch
 from nebula_fl.privacy.policy import Admission
@@ -57,6 +58,7 @@ class WorkerContext:
     state_dir: Path
     control: Any  # the gloo process group for control messages
     slowdown: float = 1.0  # emulate a slower site: each step takes this many times as long (the extra asleep)
+    precision: str = "auto"  # the operator's: auto, fp32 or bf16 (nebula_fl/devices.py resolves it per mechanism)
 
 
 class RequestError(NebulaError):
@@ -143,6 +145,7 @@ class ClusterTrainer:
             "encode-seconds": float(encode_seconds),
             "workers": int(self.ctx.world),
             "device": self.ctx.device.type,
+            "precision": self.precision,
             "rank-divergence": float(max(abs(s - sums[0]) for s in sums)),
             **busy(busy_s=busy_s, since_send_s=since_send),
         }
@@ -241,7 +244,7 @@ class ClusterTrainer:
         else:
             losses = train_steps(self.model, self.optimizer, self.data, self.schedule, steps=count,
                                  max_grad_norm=train_cfg.max_grad_norm, device=self.ctx.device, lr_at=lr_at,
-                                 loss_fn=self.task.loss, keep_going=keep_going)
+                                 loss_fn=self.task.loss, keep_going=keep_going, precision=self.precision)
         pacer.finish(len(losses))
         return losses
 
@@ -311,6 +314,8 @@ class ClusterTrainer:
         if not FEDERATION_ID.fullmatch(federation_id):
             # it names this cluster's snapshot folder: never let the server pick a path
             raise RequestError(f"federation id {federation_id!r} is not a plain name of letters, digits, '-' and '_'")
+        self.precision = resolve_precision(self.ctx.precision, device_kind=self.ctx.device.type,
+                                           privacy_mode=admission.mode)
         self.task: Task = make_task(task_name, options)
         if admission.mode not in self.task.privacy_modes:
             raise RequestError(f"task '{task_name}' does not support privacy mode '{admission.mode}' "
@@ -395,7 +400,7 @@ class ClusterTrainer:
             "round": self.round,
             "optimizer": self.optimizer.state_dict(),
             "schedule": self.schedule.state_dict(),
-            "rng": torch.get_rng_state(),
+            **rng_state(self.ctx.device),
             "anchor": None if self.anchor is None else {k: torch.from_numpy(v.copy()) for k, v in self.anchor.items()},
             **self.exchange.state_dict(),
         }
@@ -403,7 +408,10 @@ class ClusterTrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
-        torch.set_rng_state(state["rng"])
+        if not set_rng_state(state, self.ctx.device) and self.ctx.rank == 0:
+            print(f"trainer {self.ctx.cluster_id}: the snapshot of round {int(state['round'])} was written on "
+                  f"{state.get('device', 'cpu')}, this run trains on {self.ctx.device.type}: training continues, "
+                  "not bit-exactly", flush=True)
         self.round = int(state["round"])
         anchor = state.get("anchor")
         self.anchor = None if anchor is None else {k: v.numpy().copy() for k, v in anchor.items()}
@@ -436,6 +444,24 @@ class ClusterTrainer:
                     f"{self.ctx.world} now; restart it with --workers {saved['world']}"
                 )
             self.load_state_dict(saved["ranks"][self.ctx.rank])
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """The RNG streams a rank draws from: the CPU's, and its GPU's when it trains on one (dropout masks there)."""
+    out: dict[str, Any] = {"rng": torch.get_rng_state(), "device": device.type}
+    if device.type == "cuda":
+        out["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> bool:
+    """Restore `rng_state`'s streams; False when the snapshot was written on another kind of device (its GPU
+    stream has no counterpart here, or ours none there): the run goes on, not bit-exactly."""
+    torch.set_rng_state(state["rng"])
+    saved_kind = state.get("device", "cpu")
+    if device.type == "cuda" and "cuda_rng" in state:
+        torch.cuda.set_rng_state(state["cuda_rng"], device)
+    return saved_kind == device.type
 
 
 def _fresh_noise_seed() -> None:

@@ -35,6 +35,7 @@ from nebula_fl.clients.protocol import TrainerListener, pack, socket_in_use, unp
 from nebula_fl.clients.reply_cache import FEDERATION_ID, ReplyCache
 from nebula_fl.clients.secagg_stage import SecAggRefusal, SecAggStage
 from nebula_fl.data.datasets import TextDataset
+from nebula_fl.devices import check_visible, resolve_precision, visible_gpus, worker_devices
 from nebula_fl.errors import NebulaError
 from nebula_fl.privacy.cluster_ledger import LEDGER_FILE, ClusterLedger
 from nebula_fl.privacy.policy import POLICY_FILE, PrivacyPolicy, refuse
@@ -54,6 +55,7 @@ IN_THE_CLEAR = {
     "steps": "the local steps the server asked for",
     "workers": "the cluster's hardware, not its data",
     "device": "the cluster's hardware, not its data",
+    "precision": "the cluster's hardware choice (bf16 autocast or fp32), not its data",
     "codec-up": "the codec the server asked for",
     "update-bytes": "fixed by the codec and the adapter's size",
     "privacy-mode": "the operator's policy mode",
@@ -83,18 +85,17 @@ class TrainerOptions:
     model_path: Path
     shard: TextDataset
     workers: int = 1
-    device: str = "cpu"
+    device: str = "cpu"  # a device spec (nebula_fl/devices.py): cpu, cuda, cuda:N or one per worker joined by '+'
+    precision: str = "auto"  # auto (bf16 autocast on a GPU, fp32 on a CPU), fp32 or bf16
     threads: int = 1
     policy: PrivacyPolicy = field(default_factory=PrivacyPolicy)
     slowdown: float = 1.0  # emulate a slower site: each step takes this many times as long (asleep, no CPU)
 
 
-def _device_for(rank: int, device: str):
+def _device_for(rank: int, opts: TrainerOptions):
     import torch
 
-    if device == "cuda":
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    return torch.device(worker_devices(opts.device, workers=opts.workers)[rank])
 
 
 def _log(opts: TrainerOptions, text: str, *, error: bool = False) -> None:
@@ -113,7 +114,7 @@ def _worker_main(rank: int, opts: TrainerOptions, init_file: str, parent: int) -
     from nebula_fl.clients.trainer import ClusterTrainer, RequestError, WorkerContext
 
     torch.set_num_threads(opts.threads)
-    device = _device_for(rank, opts.device)
+    device = _device_for(rank, opts)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -123,7 +124,7 @@ def _worker_main(rank: int, opts: TrainerOptions, init_file: str, parent: int) -
         WorkerContext(
             rank=rank, world=opts.workers, cluster_id=opts.cluster_id, device=device,
             model_path=opts.model_path, shard=opts.shard, state_dir=opts.state_dir, control=control,
-            slowdown=opts.slowdown,
+            slowdown=opts.slowdown, precision=opts.precision,
         )
     )
     if rank == 0:
@@ -246,7 +247,7 @@ class Boundary:
     def describe(self) -> dict[str, Any]:
         opts = self.opts
         return {"cluster_id": opts.cluster_id, "num_examples": len(opts.shard), "workers": opts.workers,
-                "device": opts.device, "label_counts": opts.shard.label_counts(),
+                "device": opts.device, "precision": opts.precision, "label_counts": opts.shard.label_counts(),
                 "privacy_policy": opts.policy.to_dict()}
 
     def _secagg(self, request: Any) -> bytes:
@@ -458,11 +459,10 @@ def run_trainer(opts: TrainerOptions) -> int:
         raise NebulaError(f"--slowdown is {opts.slowdown:g}; use 1 (none) to 1000")
     if len(opts.shard) < opts.workers:
         raise NebulaError(f"cluster {opts.cluster_id} has {len(opts.shard)} examples for {opts.workers} workers")
-    if opts.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise NebulaError("--device cuda was given but no CUDA device is visible; use --device cpu")
+    devices = worker_devices(opts.device, workers=opts.workers)
+    if devices[0] != "cpu":  # (torch is imported only to count GPUs)
+        check_visible(devices, visible=visible_gpus())
+    precision = resolve_precision(opts.precision, device_kind=devices[0].split(":")[0], privacy_mode=opts.policy.mode)
     opts.policy.check_for(len(opts.shard))
     lock = _lock_state_dir(opts.state_dir)
     secagg = SecAggStage.for_policy(state_dir=opts.state_dir, cluster_id=opts.cluster_id, policy=opts.policy)
@@ -492,7 +492,8 @@ def run_trainer(opts: TrainerOptions) -> int:
         " (default: the policy sets no max_epsilon)" if policy.budget_is_default else "")
     spent = {m: ledger.steps(mode=m) for m in ("sample", "client")}
     print(
-        f"trainer {opts.cluster_id}: {opts.workers} worker(s) on {opts.device}, {len(opts.shard)} examples, "
+        f"trainer {opts.cluster_id}: {opts.workers} worker(s) on {'+'.join(devices)} "
+        f"({precision}), {len(opts.shard)} examples, "
         f"socket {opts.socket_path}; privacy policy: {policy.mode}{budget}; ledger {spent['sample']} sample-level "
         f"step(s), {spent['client']} client-level release(s) so far; {secagg.describe()}",
         flush=True,

@@ -203,6 +203,7 @@ class Federation:
                 "--seed", str(cfg.federation.seed), "--test-fraction", str(cfg.data.test_fraction),
                 "--max-examples", str(cfg.data.max_examples),
                 *(["--slowdown", f"{plan.slowdown_per_cluster[i]:g}"] if plan.slowdown_per_cluster else []),
+                *(["--precision", plan.precisions[i]] if plan.precisions else []),
                 "--privacy-policy", str(self._write_policy(i, roster)),
             ]
             proc = self.procs.start(f"trainer-{i}", argv, log_path=self.logs / f"trainer-{i}.log", env=env)

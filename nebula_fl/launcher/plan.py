@@ -17,6 +17,7 @@ from flwr.common.config import parse_config_args
 
 from nebula_fl.config import PRESETS, RunConfig, check_known_keys
 from nebula_fl.data.datasets import plan_partition, resolve_dataset_path
+from nebula_fl.devices import PRECISIONS, check_visible, resolve_precision, server_device, visible_gpus, worker_devices
 from nebula_fl.errors import NebulaError
 from nebula_fl.model.locate import resolve_model_path
 from nebula_fl.server.run_folder import RunFolder
@@ -51,6 +52,7 @@ class LaunchPlan:
     cluster_policies: dict[int, dict[str, Any]] | None = None  # an operator's own policy fields, over the run's
     threads_per_cluster: list[int] | None = None  # --threads-per-cluster: torch threads per worker, per cluster
     slowdown_per_cluster: list[float] | None = None  # --slowdown-per-cluster: emulated slower sites on one box
+    precisions: list[str] | None = None  # --precision: auto, fp32 or bf16 per cluster (None: every cluster's auto)
 
     @property
     def threads(self) -> list[int]:
@@ -65,7 +67,7 @@ class LaunchPlan:
     def launcher_record(self) -> dict[str, Any]:
         return {"clusters": self.clusters, "workers": self.workers, "devices": self.devices, "port": self.port,
                 "wan": self.wan, "secure": self.secure, "threads_per_cluster": self.threads_per_cluster,
-                "slowdown_per_cluster": self.slowdown_per_cluster,
+                "slowdown_per_cluster": self.slowdown_per_cluster, "precisions": self.precisions,
                 "cluster_policies": {str(k): v for k, v in (self.cluster_policies or {}).items()}}
 
 
@@ -138,9 +140,10 @@ def _slowdown(text: str) -> float:
     return value
 
 
-def _device(text: str) -> str:
-    if text not in ("cpu", "cuda"):
-        raise NebulaError(f"--device has '{text}'; use cpu or cuda (one value, or one per cluster)")
+def _precision(text: str) -> str:
+    if text not in PRECISIONS:
+        raise NebulaError(f"--precision has '{text}'; use auto (bf16 on GPU, fp32 on CPU), fp32 or bf16, one value "
+                          "or one per cluster")
     return text
 
 
@@ -190,7 +193,8 @@ def make_plan(args: Any) -> LaunchPlan:
     if (out / "config.json").exists() or folder.has_checkpoint():
         raise NebulaError(f"run folder '{out}' already holds a run; pass a new --out, or --resume {out}")
     workers = _per_cluster(args.workers_per_cluster or "1", clusters, "--workers-per-cluster", _positive_int)
-    devices = _per_cluster(args.device or "cpu", clusters, "--device", _device)
+    devices = _per_cluster(args.device or "cpu", clusters, "--device", str)
+    precision = getattr(args, "precision", None)
     threads = getattr(args, "threads_per_cluster", None)
     slowdown = getattr(args, "slowdown_per_cluster", None)
     plan = LaunchPlan(config=config, out=out, clusters=clusters, workers=workers, devices=devices,
@@ -200,7 +204,8 @@ def make_plan(args: Any) -> LaunchPlan:
                       if threads else None,
                       slowdown_per_cluster=_per_cluster(slowdown, clusters, "--slowdown-per-cluster", _slowdown)
                       if slowdown else None,
-                      cluster_policies=_cluster_policies(getattr(args, "cluster_policy", None), clusters))
+                      cluster_policies=_cluster_policies(getattr(args, "cluster_policy", None), clusters),
+                      precisions=_per_cluster(precision, clusters, "--precision", _precision) if precision else None)
     _check(plan)
     return plan
 
@@ -209,7 +214,7 @@ def _resume_plan(args: Any) -> LaunchPlan:
     given = [name for name in ("clusters", "local_steps", "round_overlap", "outer_optimizer", "partition", "seed", "out", "run_config",
                                "workers_per_cluster", "device", "preset", "codec", "wan", "secure", "secure_aggregation",
                                "task", "cluster_policy", "threads_per_cluster",
-                               "slowdown_per_cluster")
+                               "slowdown_per_cluster", "precision")
              if getattr(args, name, None) is not None]
     if given:
         raise NebulaError(
@@ -241,7 +246,7 @@ def _resume_plan(args: Any) -> LaunchPlan:
                       workers=list(launcher["workers"]), devices=list(launcher["devices"]),
                       port=args.port, resume=True, wan=launcher.get("wan"), secure=bool(launcher.get("secure")),
                       rewind=rewind, threads_per_cluster=launcher.get("threads_per_cluster"),
-                      slowdown_per_cluster=launcher.get("slowdown_per_cluster"),
+                      slowdown_per_cluster=launcher.get("slowdown_per_cluster"), precisions=launcher.get("precisions"),
                       cluster_policies={int(k): v for k, v in (launcher.get("cluster_policies") or {}).items()})
     _check(plan)
     return plan
@@ -293,8 +298,16 @@ def _check(plan: LaunchPlan) -> None:
             )
     if plan.port and not port_free(plan.port):
         raise NebulaError(f"port {plan.port} on 127.0.0.1 is in use; pass --port N (or --port 0 to pick a free one)")
-    if "cuda" in plan.devices:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise NebulaError("--device asks for cuda but no CUDA device is visible; use --device cpu")
+    per_cluster = [worker_devices(spec, workers=w, where=f"--device (cluster {i})")
+                   for i, (spec, w) in enumerate(zip(plan.devices, plan.workers, strict=True))]
+    if any(d != "cpu" for ds in per_cluster for d in ds):
+        visible = visible_gpus()
+        for i, ds in enumerate(per_cluster):
+            check_visible(ds, visible=visible, where=f"--device (cluster {i})")
+    mode = cfg.privacy.mode
+    for i, ds in enumerate(per_cluster):
+        policy_mode = (plan.cluster_policies or {}).get(i, {}).get("mode", mode)
+        resolve_precision(plan.precisions[i] if plan.precisions else "auto", device_kind=ds[0].split(":")[0],
+                          privacy_mode=policy_mode, where=f"--precision (cluster {i})")
+    if cfg.federation.server_device != "auto" or any(d != "cpu" for ds in per_cluster for d in ds):
+        server_device(cfg.federation.server_device, visible=visible_gpus())

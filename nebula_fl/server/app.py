@@ -187,6 +187,7 @@ class ServerRun:
         cfg = self.cfg
         log(INFO, "run folder: %s", self.folder.path)
         evaluator = ServerEvaluator(cfg)
+        log(INFO, "server evaluation on %s", evaluator.device)
         self.metric = evaluator.task.metric
         initial = evaluator.initial_adapter()
         self.strategy = build_strategy(cfg, initial=initial)

@@ -3,15 +3,20 @@
 The ServerApp process lives for the whole run, so the task's model and the tokenised test split are
 loaded once here; each round only swaps the exchanged tensors in. What is measured is the task's
 (``Task.evaluate``): accuracy and macro-F1 for classification, perplexity for masked-LM pre-training.
+It runs on key `server-device`: by default the ServerApp host's first GPU when it has one (2.5-3 s a round on
+an H200 host's CPU was most of a round's non-hop time), else the CPU. The initial tensors are built seeded on
+the CPU and then moved, so every side starts from the same bits whatever its device.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, MetricRecord
 
 from nebula_fl.config import RunConfig
 from nebula_fl.data.datasets import train_test_split
+from nebula_fl.devices import server_device, visible_gpus
 from nebula_fl.model.locate import resolve_model_path
 from nebula_fl.tasks import TaskSetup, make_task
 
@@ -22,9 +27,10 @@ class ServerEvaluator:
         _, test = train_test_split(cfg.data, seed=seed)
         self.labels = test.label_names
         self.task = make_task(cfg.task.name, cfg.task_options)
+        self.device = torch.device(server_device(cfg.federation.server_device, visible=visible_gpus()))
         setup = TaskSetup(model=cfg.model, labels=list(self.labels), seed=seed, path=resolve_model_path(cfg.model.model),
-                          privacy_mode=cfg.privacy.mode)
-        self.model = self.task.build_model(setup)
+                          privacy_mode=cfg.privacy.mode, device=self.device)
+        self.model = self.task.build_model(setup).to(self.device)
         self.data = self.task.examples(setup=setup, tokenizer=self.task.tokenizer(setup), texts=test.texts,
                                        labels=test.labels, train=False)
         self.batch_size = cfg.federation.eval_batch_size
