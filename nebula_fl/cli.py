@@ -87,6 +87,9 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
                    help="emulate a slower site: every step takes this many times as long, the extra time asleep "
                    "(no CPU used), e.g. 4 for a quarter of the compute; default 1")
     p.add_argument("--model", default="minilm", help="'minilm' or a transformers model folder (the same model as the server)")
+    p.add_argument("--lock-wait", type=float, default=30.0, metavar="SECONDS",
+                   help="how long to wait for a trainer still holding --state-dir (one being restarted) to stop; "
+                   "default 30")
     p.add_argument("--state-dir", default="nebula-trainer-state",
                    help="the cluster's own folder: its privacy ledger (for life), round snapshots, reply cache")
     policy = p.add_argument_group(
@@ -254,7 +257,7 @@ def _trainer(args: argparse.Namespace) -> int:
         cluster_id=args.cluster_id, socket_path=Path(args.socket).expanduser().resolve(),
         state_dir=Path(args.state_dir).expanduser().resolve(), model_path=resolve_model_path(args.model),
         shard=shard, workers=args.workers, device=args.device, precision=args.precision, threads=threads, policy=policy,
-        slowdown=args.slowdown,
+        slowdown=args.slowdown, lock_wait_s=args.lock_wait,
     )
     return run_trainer(opts)
 

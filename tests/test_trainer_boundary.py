@@ -130,7 +130,7 @@ def test_a_stalled_client_holds_nothing_and_a_live_trainer_is_never_taken_over(t
         _, update = request(sock, {"op": "train", "config": make_config("f", 1)}, adapter)
         assert reply["cluster_id"] == 0 and update and time.monotonic() - started < 30
         for extra, fragment in ((("--state-dir", str(tmp_path / "other-state")), "already serves"),
-                                (("--socket", str(tmp_path / "other.sock")), "is in use")):
+                                (("--socket", str(tmp_path / "other.sock"), "--lock-wait", "1"), "is in use")):
             second = subprocess.run(trainer_cmd(tmp_path, tiny_model, *extra), capture_output=True, text=True,
                                     timeout=120)
             lines = [x for x in second.stderr.splitlines() if x.strip()]

@@ -90,6 +90,7 @@ class TrainerOptions:
     threads: int = 1
     policy: PrivacyPolicy = field(default_factory=PrivacyPolicy)
     slowdown: float = 1.0  # emulate a slower site: each step takes this many times as long (asleep, no CPU)
+    lock_wait_s: float = LOCK_WAIT_S  # how long to wait for the trainer before this one on the state folder
 
 
 def _device_for(rank: int, opts: TrainerOptions):
@@ -457,6 +458,8 @@ def run_trainer(opts: TrainerOptions) -> int:
         raise NebulaError(f"--workers is {opts.workers}; use 1 or more")
     if not 1.0 <= opts.slowdown <= 1000.0:
         raise NebulaError(f"--slowdown is {opts.slowdown:g}; use 1 (none) to 1000")
+    if not 0.0 <= opts.lock_wait_s <= 3600.0:
+        raise NebulaError(f"--lock-wait is {opts.lock_wait_s:g}; use 0 to 3600 seconds")
     if len(opts.shard) < opts.workers:
         raise NebulaError(f"cluster {opts.cluster_id} has {len(opts.shard)} examples for {opts.workers} workers")
     devices = worker_devices(opts.device, workers=opts.workers)
@@ -464,7 +467,7 @@ def run_trainer(opts: TrainerOptions) -> int:
         check_visible(devices, visible=visible_gpus())
     precision = resolve_precision(opts.precision, device_kind=devices[0].split(":")[0], privacy_mode=opts.policy.mode)
     opts.policy.check_for(len(opts.shard))
-    lock = _lock_state_dir(opts.state_dir)
+    lock = _lock_state_dir(opts.state_dir, wait_s=opts.lock_wait_s)
     secagg = SecAggStage.for_policy(state_dir=opts.state_dir, cluster_id=opts.cluster_id, policy=opts.policy)
     if socket_in_use(opts.socket_path):
         raise NebulaError(f"another trainer already serves '{opts.socket_path}'; stop it first, or pass another --socket")
