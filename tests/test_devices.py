@@ -187,3 +187,21 @@ def test_bf16_autocast_trains_in_bf16_and_exchanges_fp32(tiny_model):
     bf16 = np.concatenate([v.ravel() for v in out["bf16"].values()])
     relative = float(np.linalg.norm(bf16 - fp32) / np.linalg.norm(fp32))
     assert 0 < relative < 0.05, relative
+
+
+def test_a_resumed_run_may_move_to_other_hardware_but_keeps_its_config(tmp_path):
+    from nebula_fl.server.run_folder import RunFolder
+
+    plan = make_plan(_args(tmp_path, precision="bf16", workers_per_cluster="2,1"))
+    RunFolder(plan.out).write_config({"run_config": plan.config.to_flat(), "launcher": plan.launcher_record()})
+
+    def resume(**given):
+        return make_plan(Namespace(resume=str(plan.out), rounds=None, port=0, **given))
+
+    assert resume().precisions == ["bf16", "bf16"] and resume().devices == ["cpu", "cpu"]
+    moved = resume(device="cpu+cpu,cpu", precision="fp32,auto")
+    assert moved.devices == ["cpu+cpu", "cpu"] and moved.precisions == ["fp32", "auto"]
+    with pytest.raises(NebulaError, match="drop --workers-per-cluster"):  # its snapshots hold 2 and 1 ranks
+        resume(workers_per_cluster="1")
+    with pytest.raises(NebulaError, match=r"--device \(cluster 0\) 'cuda:0' puts 2 workers on one GPU"):
+        resume(device="cuda:0")

@@ -34,7 +34,7 @@ FLAG_KEYS = {
     "secure_aggregation": "secagg.enabled",
     "task": "task.name",
 }
-RESUME_FLAGS = {"rounds", "port"}
+RESUME_FLAGS = {"rounds", "port", "device", "precision"}  # hardware may change on resume; the run's config not
 
 
 @dataclass(kw_only=True)
@@ -212,14 +212,14 @@ def make_plan(args: Any) -> LaunchPlan:
 
 def _resume_plan(args: Any) -> LaunchPlan:
     given = [name for name in ("clusters", "local_steps", "round_overlap", "outer_optimizer", "partition", "seed", "out", "run_config",
-                               "workers_per_cluster", "device", "preset", "codec", "wan", "secure", "secure_aggregation",
+                               "workers_per_cluster", "preset", "codec", "wan", "secure", "secure_aggregation",
                                "task", "cluster_policy", "threads_per_cluster",
-                               "slowdown_per_cluster", "precision")
+                               "slowdown_per_cluster")
              if getattr(args, name, None) is not None]
     if given:
         raise NebulaError(
             f"--resume continues a run with its own config; drop --{given[0].replace('_', '-')} "
-            "(only --rounds and --port may change)"
+            "(only --rounds, --port, --device and --precision may change)"
         )
     folder = RunFolder(args.resume)
     stored = folder.read_config()
@@ -242,11 +242,18 @@ def _resume_plan(args: Any) -> LaunchPlan:
             "pass --rounds N with N larger to extend it"
         )
     launcher = stored["launcher"]
-    plan = LaunchPlan(config=config, out=folder.path, clusters=int(launcher["clusters"]),
-                      workers=list(launcher["workers"]), devices=list(launcher["devices"]),
+    clusters = int(launcher["clusters"])
+    # another machine, or GPUs freed: a cluster's snapshots load onto any device (not bit-exactly across kinds)
+    devices = _per_cluster(args.device, clusters, "--device", str) if getattr(args, "device", None) else list(
+        launcher["devices"])
+    precision = getattr(args, "precision", None)
+    precisions = (_per_cluster(precision, clusters, "--precision", _precision) if precision
+                  else launcher.get("precisions"))
+    plan = LaunchPlan(config=config, out=folder.path, clusters=clusters,
+                      workers=list(launcher["workers"]), devices=devices,
                       port=args.port, resume=True, wan=launcher.get("wan"), secure=bool(launcher.get("secure")),
                       rewind=rewind, threads_per_cluster=launcher.get("threads_per_cluster"),
-                      slowdown_per_cluster=launcher.get("slowdown_per_cluster"), precisions=launcher.get("precisions"),
+                      slowdown_per_cluster=launcher.get("slowdown_per_cluster"), precisions=precisions,
                       cluster_policies={int(k): v for k, v in (launcher.get("cluster_policies") or {}).items()})
     _check(plan)
     return plan
