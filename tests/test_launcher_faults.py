@@ -53,12 +53,16 @@ def test_a_sigkilled_launcher_leaves_no_process_its_run_resumes_and_rewinds_past
     assert time.monotonic() - killed_at < 10.5
     assert "the launcher is gone" in (out / "logs" / "watchdog.log").read_text()
 
-    resumed = run_cli("run", "--resume", str(out), "--port", "0", name="resume")
+    # resumed on other hardware settings (here bf16 autocast): the run's config stays, the trainers change
+    resumed = run_cli("run", "--resume", str(out), "--port", "0", "--precision", "bf16", name="resume")
     assert resumed.wait(300) == 0, resumed.output()[-3000:]
     assert resumed.survivors() == []
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 3
     assert rounds_of(out) == [1, 2, 3]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["clusters"]["0"]["precision"] == "fp32" and records[-1]["clusters"]["0"]["precision"] == "bf16"
+    assert json.loads((out / "config.json").read_text())["launcher"]["precisions"] == ["bf16", "bf16"]
     assert summary["restarts"] == []
 
     # The newest checkpoint damaged: a resume stops with one line and touches nothing; --rewind resumes
