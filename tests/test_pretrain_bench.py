@@ -1,0 +1,78 @@
+"""benchmarks/pretrain.py's pure parts and its data-parallel byte count: the DDP comm hook on 2 real gloo ranks
+counts exactly the trainable parameters' gradient bytes per step; /proc/net/dev is parsed by interface; the outer
+Nesterov step on torch tensors is nebula-fl's; the headline and best outer lr are picked as documented."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import REPO, load_script
+
+ddp_bytes = load_script("nebula_benchmarks_ddp_bytes", REPO / "benchmarks" / "ddp_bytes.py")
+pretrain = load_script("nebula_benchmarks_pretrain", REPO / "benchmarks" / "pretrain.py")
+
+PROC_NET_DEV = """\
+Inter-|   Receive                                                |  Transmit
+ face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
+  eth0: 999 9 0 0 0 0 0 0 888 8 0 0 0 0 0 0
+    lo: 10684985790 3861785    0    0    0     0          0         0 10684985791 3861785    0    0    0     0       0          0
+"""
+
+
+def tiny_loss(model, batch):
+    return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+
+def test_the_proc_net_dev_parser_reads_the_named_interface():
+    assert ddp_bytes.loopback_counters(PROC_NET_DEV) == (10_684_985_790, 10_684_985_791)
+    assert ddp_bytes.loopback_counters(PROC_NET_DEV, "eth0") == (999, 888)
+    with pytest.raises(ValueError, match="no interface 'wlan0'"):
+        ddp_bytes.loopback_counters(PROC_NET_DEV, "wlan0")
+    assert ddp_bytes.ring_factor(2) == 1.0 and ddp_bytes.ring_factor(4) == 1.5
+
+
+def test_the_comm_hook_counts_the_trainable_gradient_bytes_on_two_gloo_ranks():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    model[0].bias.requires_grad_(False)  # frozen: DDP reduces no gradient for it
+    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    batches = [[{"x": torch.randn(4, 6), "y": torch.randn(4, 3)} for _ in range(2)] for _ in range(2)]
+    out = ddp_bytes.measure(model, batches, tiny_loss, steps=2, repeats=1)
+    assert out["grad_bytes"] == trainable == 4 * (30 + 15 + 3)
+    assert out["hook_payload_bytes"] == trainable
+    assert out["hook_wire_bytes"] == 2 * trainable  # K = 2: each rank sends the payload once and receives it once
+    assert out["steps_measured"] == 2 and len(out["loopback_samples"]) == 1
+
+
+def test_the_outer_step_on_tensors_is_nebula_fls_nesterov():
+    from nebula_fl.strategies.nesterov import nesterov_step
+
+    rng = np.random.default_rng(0)
+    params, velocity = None, None
+    x = rng.standard_normal(7).astype(np.float32)
+    t, tv = torch.from_numpy(x.copy()), None
+    for _ in range(3):
+        delta = rng.standard_normal(7).astype(np.float32)
+        new, velocity = nesterov_step({"a": x if params is None else params["a"]}, {"a": delta}, velocity, lr=1.4,
+                                      momentum=0.9)
+        params = new
+        t, tv = pretrain.outer_nesterov(t, torch.from_numpy(delta), tv, lr=1.4, momentum=0.9)
+    np.testing.assert_allclose(t.numpy(), params["a"], rtol=1e-6)
+
+
+def row(name, h, lr, loss, ratio, codec="int8"):
+    return {"name": name, "h": h, "codec": codec, "outer_lr": lr, "final_loss": loss, "bytes_ratio_vs_ddp": ratio,
+            "loss_gap_relative": (loss - 5.0) / 5.0}
+
+
+def test_best_outer_lr_per_h_and_the_headline_among_settings_past_1000x():
+    rows = [row("ddp", 1, None, 5.0, 1.0, codec="all-reduce fp32"),
+            row("a", 100, 0.5, 5.05, 400), row("b", 100, 0.7, 5.02, 400),
+            row("c", 500, 0.7, 5.3, 2000), row("d", 500, 1.4, 5.2, 2000),
+            row("e", 500, 1.4, 5.25, 4000, codec="int4")]
+    assert pretrain.best_outer_lrs(rows) == {100: 0.7, 500: 1.4}
+    head = pretrain.pick_headline(rows[1:])
+    assert head["name"] == "d"  # b is closer to data-parallel but sends only 400x fewer bytes
+    assert pretrain.pick_headline([r for r in rows[1:] if r["bytes_ratio_vs_ddp"] < 1000])["name"] == "b"
