@@ -2,7 +2,7 @@
 
 Each case is `python -m nebula_fl run ... --port 0 --out <out>/<case>/run` (the `nebula-fl` entry point, started
 as the tests start it: this interpreter, the environment as it is plus PYTHONUNBUFFERED=1, a fresh run folder),
-run in its own process group with its own timeout (the whole group is killed past it), in this order:
+with its own timeout (past it the launcher gets a Ctrl-C, then what is left is killed), in this order:
 
   demo-cuda       --preset demo --device cuda --rounds 3                     the demo, blocking, on the GPU
   two-workers     --preset smoke --device cuda --workers-per-cluster 2       with 1 GPU: refused at start with one
@@ -122,13 +122,12 @@ def run_case(case: Case, out: Path, timeout_s: float) -> dict[str, Any]:
     t0 = time.monotonic()
     timed_out = False
     with log.open("w") as handle:
-        proc = subprocess.Popen(command(case, folder), stdout=handle, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(command(case, folder), stdout=handle, stderr=subprocess.STDOUT, env=env)
         try:
             code: int | None = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
-            code = stop_group(proc)
+            code = stop_run(proc)
     wall = time.monotonic() - t0
     run = read_run(folder)
     refusal = refusal_line(log.read_text(errors="replace"))
@@ -138,18 +137,27 @@ def run_case(case: Case, out: Path, timeout_s: float) -> dict[str, Any]:
             "refusal": refusal if code not in (None, 0) else None, "log": str(log)}
 
 
-def stop_group(proc: subprocess.Popen) -> int | None:
-    """SIGTERM the run's process group (its SuperLink, SuperNodes and trainers), then SIGKILL after 15 s."""
-    for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+def stop_run(proc: subprocess.Popen) -> int | None:
+    """Stop a run past its timeout as a user would: Ctrl-C (SIGINT) to the launcher, which stops what it started;
+    30 s later SIGKILL it and whatever of its descendants (SuperLink, SuperNodes, trainers) is still alive."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    proc.send_signal(signal.SIGINT)
+    try:
+        code = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    for child in descendants:
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            return proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-    return proc.poll()
+            child.kill()
+        except psutil.Error:
+            pass
+    return code
 
 
 def table(results: list[dict[str, Any]]):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, load_script
+from tests.ddp_loss import mse
 
 ddp_bytes = load_script("nebula_benchmarks_ddp_bytes", REPO / "benchmarks" / "ddp_bytes.py")
 pretrain = load_script("nebula_benchmarks_pretrain", REPO / "benchmarks" / "pretrain.py")
@@ -19,10 +20,6 @@ Inter-|   Receive                                                |  Transmit
   eth0: 999 9 0 0 0 0 0 0 888 8 0 0 0 0 0 0
     lo: 10684985790 3861785    0    0    0     0          0         0 10684985791 3861785    0    0    0     0       0          0
 """
-
-
-def tiny_loss(model, batch):
-    return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
 
 
 def test_the_proc_net_dev_parser_reads_the_named_interface():
@@ -39,7 +36,7 @@ def test_the_comm_hook_counts_the_trainable_gradient_bytes_on_two_gloo_ranks():
     model[0].bias.requires_grad_(False)  # frozen: DDP reduces no gradient for it
     trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
     batches = [[{"x": torch.randn(4, 6), "y": torch.randn(4, 3)} for _ in range(2)] for _ in range(2)]
-    out = ddp_bytes.measure(model, batches, tiny_loss, steps=2, repeats=1)
+    out = ddp_bytes.measure(model, batches, mse, steps=2, repeats=1)
     assert out["grad_bytes"] == trainable == 4 * (30 + 15 + 3)
     assert out["hook_payload_bytes"] == trainable
     assert out["hook_wire_bytes"] == 2 * trainable  # K = 2: each rank sends the payload once and receives it once
