@@ -73,3 +73,22 @@ def test_best_outer_lr_per_h_and_the_headline_among_settings_past_1000x():
     head = pretrain.pick_headline(rows[1:])
     assert head["name"] == "d"  # b is closer to data-parallel but sends only 400x fewer bytes
     assert pretrain.pick_headline([r for r in rows[1:] if r["bytes_ratio_vs_ddp"] < 1000])["name"] == "b"
+
+
+def test_devices_and_precisions_are_refused_in_one_line():
+    assert pretrain.parse_device("cpu", "fp32") == torch.device("cpu")
+    with pytest.raises(SystemExit, match=r"^--precision bf16: .*use --precision fp32 on cpu$"):
+        pretrain.parse_device("cpu", "bf16")
+    with pytest.raises(SystemExit, match=r"^--device tpu: "):
+        pretrain.parse_device("tpu", "fp32")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match=r"^--device cuda:1: no CUDA device is visible here; use --device cpu$"):
+            pretrain.parse_device("cuda:1", "fp32")
+
+
+def test_the_eval_points_are_round_ends_that_reach_a_multiple_of_eval_every():
+    bench = object.__new__(pretrain.Bench)
+    bench.plan = pretrain.plan_for(quick=True)  # 1,000 steps, eval every 100
+    assert [s for s in range(1, 1001) if bench.evaluates(s)] == list(range(100, 1001, 100))
+    assert [s for s in range(500, 1001, 500) if bench.evaluates(s, 500)] == [500, 1000]
+    assert [s for s in range(200, 1001, 200) if bench.evaluates(s, 200)] == [200, 400, 600, 800, 1000]
