@@ -408,7 +408,7 @@ def plan_jobs(outer_lr: float | None, only: str | None) -> tuple[list[tuple], li
         follow = [j for j in follow if j[0] in wanted]
         orphans = [j[0] for j in follow if j[1] not in {s[1] for s in sweep}]
         if orphans:
-            raise SystemExit(f"--only: {', '.join(orphans)} needs a {SWEEP_CODEC} setting of its H to pick its lr")
+            raise SystemExit(f"--only: {', '.join(orphans)} needs an {SWEEP_CODEC} setting of its H to pick its lr")
     return sweep, follow
 
 

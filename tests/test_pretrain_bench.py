@@ -92,3 +92,18 @@ def test_the_eval_points_are_round_ends_that_reach_a_multiple_of_eval_every():
     assert [s for s in range(1, 1001) if bench.evaluates(s)] == list(range(100, 1001, 100))
     assert [s for s in range(500, 1001, 500) if bench.evaluates(s, 500)] == [500, 1000]
     assert [s for s in range(200, 1001, 200) if bench.evaluates(s, 200)] == [200, 400, 600, 800, 1000]
+
+
+def test_the_sweep_rises_with_h_and_outer_lr_replaces_it():
+    sweep, follow = pretrain.plan_jobs(None, None)
+    assert [j[0] for j in sweep][:3] == ["diloco-H100-int8-lr0.5", "diloco-H100-int8-lr0.7", "diloco-H100-int8-lr1"]
+    assert len(sweep) == 10 and [j[0] for j in follow] == ["diloco-H200-int4", "diloco-H500-int4"]
+    assert [max(lr for _, h, _, lr in sweep if h == H) for H in (100, 200, 500)] == [1.0, 1.4, 2.0]
+    one, _ = pretrain.plan_jobs(0.7, None)
+    assert [j[0] for j in one] == ["diloco-H100-int8-lr0.7", "diloco-H200-int8-lr0.7", "diloco-H500-int8-lr0.7"]
+    sweep, follow = pretrain.plan_jobs(None, "ddp,diloco-H200-int8-lr1,diloco-H200-int4")
+    assert [j[0] for j in sweep] == ["diloco-H200-int8-lr1"] and [j[0] for j in follow] == ["diloco-H200-int4"]
+    with pytest.raises(SystemExit, match="needs an int8 setting of its H"):
+        pretrain.plan_jobs(None, "ddp,diloco-H500-int4")
+    with pytest.raises(SystemExit, match="ddp missing"):
+        pretrain.plan_jobs(None, "diloco-H200-int8-lr1")
