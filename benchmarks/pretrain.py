@@ -55,10 +55,11 @@ DiLoCo int8: H100 lr 0.5 / 0.7 / 1.0: +3.11% / +1.98% / +3.69% (394x fewer bytes
 (33.6) (1,969x). int4 at the best lr: H200 +1.42% (1,551x), H500 +14.3% (3,878x). Best outer lr: 0.7 at every H
 (it did NOT rise with H here: with 2 outer steps at H = 500 the first Nesterov step moves lr (1 + 0.9) = 2.7x
 and 3.8x the pseudo-gradient at 1.4 and 2.0). Headline diloco-H200-int4-lr0.7: 1,551x fewer bytes (measured and
-formula alike) at +1.42%: the goal (>= 1000x at <= 2%) MET at this length -- but with 5 outer steps of a
-2-layer model still far from converged (perplexity 544), not the >= 100 outer steps behind the literature's
-"matches DP"; H = 500 (2 outer steps) is +14%. The full mode (4 x 256 BERT, 20,000 steps, 40-200 outer steps)
-needs a GPU and was not run.
+formula alike) at +1.42%. This does NOT show the goal (>= 1000x at <= 2%) met: it is 5 outer steps of a 2-layer
+model still far from converged (perplexity 544), and the previous --quick (2,400 steps) measured +3.3% for the same
+setting, so at this size the gap grows with length and a shorter run flatters it. H = 500 (2 outer steps) is +14%.
+The length where the goal counts is the full mode (4 x 256 BERT, 20,000 steps, 40-200 outer steps); it needs a GPU
+and was NOT RUN.
 
 Writes results.json (`device`, `ddp_bytes` (measured and formula), `headline`, `bytes_ratio_vs_ddp` (measured),
 `bytes_ratio_vs_ddp_formula`, `loss_gap_relative` for the headline, `best_outer_lr` per H, `final_loss` and every
@@ -486,11 +487,14 @@ def main() -> int:
     s = summarise(runs, ddp_bytes)
     head = s["headline"]
     verdict = "MET" if s["goal_met"] else "MISSED"
+    if args.quick:  # a short run flatters the gap at this size (see the docstring): it is not the goal's length
+        verdict += " at --quick length, which does not decide the goal (the full mode does)"
     results = {
         "benchmark": "pretrain", "config": vars(args), "plan": plan.__dict__, "parameters": bench.params,
         "clusters": K, "device": device_record(device, args.precision), "ddp_bytes": ddp_bytes,
         "headline": head["name"], "goal": f">= {GOAL_RATIO:.0f}x fewer bytes at <= {GOAL_GAP:.0%} higher final loss",
-        "goal_met": s["goal_met"], "bytes_ratio_vs_ddp": head["bytes_ratio_vs_ddp"],
+        "goal_met": s["goal_met"], "goal_length": "quick: does not decide the goal" if args.quick else "full",
+        "bytes_ratio_vs_ddp": head["bytes_ratio_vs_ddp"],
         "bytes_ratio_vs_ddp_formula": head["bytes_ratio_vs_ddp_formula"],
         "loss_gap_relative": head["loss_gap_relative"], "best_outer_lr": s["best_outer_lr"],
         "final_loss": {r["name"]: r["final_loss"] for r in s["rows"]}, "settings": s["rows"],
