@@ -36,6 +36,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="clusters train on while the network carries their update (sets round-overlap)")
     p.add_argument("--workers-per-cluster", help="DDP workers per cluster: one value or one per cluster, e.g. 1,2")
     p.add_argument("--device", help="cpu or cuda: one value or one per cluster, e.g. cpu,cuda")
+    p.add_argument("--parallel", help="ddp (default: every worker holds the whole model) or fsdp (each holds a shard: "
+                   "a model too big for one worker); one value or one per cluster, e.g. ddp,fsdp; fsdp with 1 worker "
+                   "trains unsharded; per-example DP needs ddp")
     p.add_argument("--slowdown-per-cluster", help="emulate slower sites on one machine: each step of a cluster takes "
                    "this many times as long, the extra asleep; one value or one per cluster, e.g. 1,4 (default 1)")
     p.add_argument("--threads-per-cluster", help="torch threads per worker: one value or one per cluster, e.g. 2,1 "
@@ -73,6 +76,10 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster-id", type=int, default=0, help="this cluster's id (shown in the server's metrics)")
     p.add_argument("--workers", type=int, default=1, help="data-parallel workers (DDP ranks)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (nccl)")
+    p.add_argument("--parallel", default="ddp", metavar="{ddp,fsdp}",
+                   help="ddp (default): every worker holds the whole model; fsdp: each holds a shard of the weights, "
+                   "gradients and optimizer state (FSDP2), for a model that does not fit one worker; with 1 worker "
+                   "fsdp trains unsharded; per-example DP (privacy mode sample) needs ddp")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
     p.add_argument("--slowdown", type=float, default=1.0,
                    help="emulate a slower site: every step takes this many times as long, the extra time asleep "
@@ -245,7 +252,7 @@ def _trainer(args: argparse.Namespace) -> int:
         cluster_id=args.cluster_id, socket_path=Path(args.socket).expanduser().resolve(),
         state_dir=Path(args.state_dir).expanduser().resolve(), model_path=resolve_model_path(args.model),
         shard=shard, workers=args.workers, device=args.device, threads=threads, policy=policy,
-        slowdown=args.slowdown,
+        slowdown=args.slowdown, parallel=args.parallel,
     )
     return run_trainer(opts)
 

@@ -54,6 +54,7 @@ IN_THE_CLEAR = {
     "steps": "the local steps the server asked for",
     "workers": "the cluster's hardware, not its data",
     "device": "the cluster's hardware, not its data",
+    "parallel": "the cluster's hardware, not its data",
     "codec-up": "the codec the server asked for",
     "update-bytes": "fixed by the codec and the adapter's size",
     "privacy-mode": "the operator's policy mode",
@@ -87,6 +88,7 @@ class TrainerOptions:
     threads: int = 1
     policy: PrivacyPolicy = field(default_factory=PrivacyPolicy)
     slowdown: float = 1.0  # emulate a slower site: each step takes this many times as long (asleep, no CPU)
+    parallel: str = "ddp"  # "ddp" or "fsdp": how the workers share the model (clients/sharding.py)
 
 
 def _device_for(rank: int, device: str):
@@ -123,7 +125,7 @@ def _worker_main(rank: int, opts: TrainerOptions, init_file: str, parent: int) -
         WorkerContext(
             rank=rank, world=opts.workers, cluster_id=opts.cluster_id, device=device,
             model_path=opts.model_path, shard=opts.shard, state_dir=opts.state_dir, control=control,
-            slowdown=opts.slowdown,
+            slowdown=opts.slowdown, parallel=opts.parallel,
         )
     )
     if rank == 0:
@@ -246,7 +248,7 @@ class Boundary:
     def describe(self) -> dict[str, Any]:
         opts = self.opts
         return {"cluster_id": opts.cluster_id, "num_examples": len(opts.shard), "workers": opts.workers,
-                "device": opts.device, "label_counts": opts.shard.label_counts(),
+                "device": opts.device, "parallel": opts.parallel, "label_counts": opts.shard.label_counts(),
                 "privacy_policy": opts.policy.to_dict()}
 
     def _secagg(self, request: Any) -> bytes:
@@ -456,6 +458,11 @@ def run_trainer(opts: TrainerOptions) -> int:
         raise NebulaError(f"--workers is {opts.workers}; use 1 or more")
     if not 1.0 <= opts.slowdown <= 1000.0:
         raise NebulaError(f"--slowdown is {opts.slowdown:g}; use 1 (none) to 1000")
+    from nebula_fl.clients.sharding import DP_REFUSED, check_parallel
+
+    check_parallel(opts.parallel)
+    if opts.parallel == "fsdp" and opts.policy.mode == "sample":
+        raise NebulaError(f"cluster {opts.cluster_id}'s privacy policy is 'sample', but {DP_REFUSED}")
     if len(opts.shard) < opts.workers:
         raise NebulaError(f"cluster {opts.cluster_id} has {len(opts.shard)} examples for {opts.workers} workers")
     if opts.device == "cuda":
@@ -492,7 +499,7 @@ def run_trainer(opts: TrainerOptions) -> int:
         " (default: the policy sets no max_epsilon)" if policy.budget_is_default else "")
     spent = {m: ledger.steps(mode=m) for m in ("sample", "client")}
     print(
-        f"trainer {opts.cluster_id}: {opts.workers} worker(s) on {opts.device}, {len(opts.shard)} examples, "
+        f"trainer {opts.cluster_id}: {opts.workers} worker(s) on {opts.device} (parallel {opts.parallel}), {len(opts.shard)} examples, "
         f"socket {opts.socket_path}; privacy policy: {policy.mode}{budget}; ledger {spent['sample']} sample-level "
         f"step(s), {spent['client']} client-level release(s) so far; {secagg.describe()}",
         flush=True,
