@@ -85,6 +85,51 @@ def _gradient_error(kind: str, model_path: Path, rank: int, world: int) -> dict:
             "frozen-with-grad": frozen_with_grad, "blocks": len(repeated_blocks(reference))}
 
 
+def _mixed_dtype_error(rank: int, world: int) -> dict:
+    """A layer list whose blocks train a bf16 base and an fp32 adapter: FSDP2 takes one trainable dtype per group,
+    so the adapters are wrapped apart; gradients still equal the averaged reference (bf16 ones to bf16 rounding)."""
+    import torch
+    from torch import nn
+
+    from nebula_fl.clients.sharding import whole, wrap
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base = nn.Linear(16, 16).to(torch.bfloat16)
+            self.adapter = nn.Linear(16, 16, bias=False)
+
+        def forward(self, x):
+            return self.base(x.to(torch.bfloat16)).float() + self.adapter(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+            self.head = nn.Linear(16, 2)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    inputs = torch.randn(world, PER_RANK, 16, generator=torch.Generator().manual_seed(1))
+    (sum(reference(x).square().mean() for x in inputs) / world).backward()
+    model = wrap(model, parallel="fsdp", device=torch.device("cpu"), world=world)
+    model(inputs[rank]).square().mean().backward()
+    expected = dict(reference.named_parameters())
+    errors: dict[str, float] = {}
+    for name, param in model.named_parameters():
+        got, want = whole(param.grad).float(), expected[name].grad.float()
+        kind = str(param.dtype).removeprefix("torch.")
+        errors[kind] = max(errors.get(kind, 0.0), float((got - want).abs().max() / want.abs().max()))
+    errors["groups"] = sum("FSDP" in type(m).__name__ for m in model.modules())
+    return errors
+
+
 def _trainer(parallel: str, state_dir: Path, model_path: Path, rank: int, world: int, control):
     import torch
 
@@ -173,6 +218,7 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, model_path: str,
     try:
         found = {f"{kind}-grad": _gradient_error(kind, Path(model_path), rank, world) for kind in ("classify", "mlm")}
         if trainer_checks:
+            found["mixed-dtype"] = _mixed_dtype_error(rank, world)
             found.update(_trainer_checks(Path(model_path), Path(out) / "state", rank, world))  # shared, as in a trainer
         if rank == 0:
             (Path(out) / "found.json").write_text(json.dumps(found))
@@ -217,6 +263,12 @@ def test_sharded_gradients_equal_the_averaged_full_batch_reference(request, rank
     assert found["trainable"] == found["expected"] > 0 and found["frozen-with-grad"] == 0
     # fp32, one backward: the sums differ only in order (a sum of ranks would be off by a factor of `world`)
     assert found["max"] < 1e-5, found
+
+
+def test_trainable_dtypes_that_differ_are_sharded_in_groups_of_their_own(two_ranks):
+    found = two_ranks["mixed-dtype"]
+    assert found["groups"] == 5  # the root, 2 blocks, and each block's fp32 adapter apart from its bf16 base
+    assert found["float32"] < 1e-5 and found["bfloat16"] < 2e-2, found  # bf16: 8 bits of mantissa, reduced in bf16
 
 
 @pytest.mark.parametrize("task", ["classify", "mlm"])

@@ -7,7 +7,9 @@ forward and backward passes: a rank holds about 1/world of the model, plus one l
 reduce-scattered and averaged, so a step is the same step DDP takes (up to float rounding).
 
 The layers are found generically: the repeated blocks (the elements of the outermost ``ModuleList`` whose
-elements share one class, e.g. BERT's ``encoder.layer``), each its own FSDP group, then the root. A frozen base
+elements share one class, e.g. BERT's ``encoder.layer``) and the embedding tables whose weight nothing else
+shares (a vocabulary table is a large part of a small model; one tied to an output layer stays with the root,
+which uses it last), each its own FSDP group, then the root. A frozen base
 with trainable LoRA factors of another dtype (an fp32 adapter on a bf16 base) is split further: FSDP2 needs
 one dtype among the trainable parameters of a group, so the modules holding them are wrapped apart.
 
@@ -68,6 +70,17 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def untied_embeddings(model: nn.Module) -> list[nn.Module]:
+    """The nn.Embedding modules outside the repeated blocks whose weight no other module holds (not tied)."""
+    inside = {id(m) for block in repeated_blocks(model) for m in block.modules()}
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    return [m for m in model.modules() if isinstance(m, nn.Embedding) and id(m) not in inside
+            and all(owners[id(p)] == 1 for p in m.parameters())]
+
+
 def shard(model: nn.Module, *, device: torch.device) -> nn.Module:
     """FSDP2 over every rank of the default process group: each repeated block, then the root."""
     import torch.distributed as dist
@@ -75,7 +88,7 @@ def shard(model: nn.Module, *, device: torch.device) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for block in [*repeated_blocks(model), model]:
+    for block in [*repeated_blocks(model), *untied_embeddings(model), model]:
         _uniform_trainable_dtype(block, mesh)
         fully_shard(block, mesh=mesh)
     return model
