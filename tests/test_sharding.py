@@ -197,6 +197,12 @@ def _trainer_checks(model_path: Path, out: Path, rank: int, world: int) -> dict:
     again, _ = restarted.train_round({**config, "server-round": 2}, start, off)
     found["resume-max-diff"] = max(float(np.abs(second[k] - again[k]).max()) for k in second)
     found["resume-moved"] = max(float(np.abs(second[k]).max()) for k in second)
+    try:  # the same snapshots, read by a ddp trainer: refused, never misread as whole tensors
+        _trainer("ddp", out / "resume", model_path, rank, world, control).train_round(
+            {**config, "server-round": 2}, start, off)
+        found["resume-as-ddp"] = None
+    except RequestError as err:
+        found["resume-as-ddp"] = str(err)
     # per-example DP under fsdp: refused, on every rank together
     sample = Admission(allowed=True, mode="sample", noise_multiplier=1.0, sample_rate=0.25, steps=3, max_grad_norm=1.0)
     try:
@@ -288,6 +294,7 @@ def test_a_round_under_fsdp_sends_what_ddp_sends(two_ranks, task):
 def test_a_restarted_fsdp_trainer_continues_bit_exactly_from_its_snapshot(two_ranks):
     assert two_ranks["resume-moved"] > 0
     assert two_ranks["resume-max-diff"] == 0.0
+    assert "saved its state with --parallel fsdp but runs --parallel ddp" in two_ranks["resume-as-ddp"]
 
 
 def test_per_example_dp_is_refused_under_fsdp_per_request(two_ranks):

@@ -393,6 +393,7 @@ class ClusterTrainer:
         assert self.round is not None
         return {
             "round": self.round,
+            "parallel": self.ctx.parallel,  # fsdp: the optimizer state below is this rank's shards
             "optimizer": local_optimizer_state(self.optimizer.state_dict()),  # sharded (fsdp): this rank's shards
             "schedule": self.schedule.state_dict(),
             "rng": torch.get_rng_state(),
@@ -434,6 +435,12 @@ class ClusterTrainer:
                 raise RequestError(
                     f"cluster {self.ctx.cluster_id} saved its state with {saved['world']} workers but runs "
                     f"{self.ctx.world} now; restart it with --workers {saved['world']}"
+                )
+            parallel = saved["ranks"][self.ctx.rank].get("parallel", "ddp")
+            if parallel != self.ctx.parallel and self.ctx.world > 1:
+                raise RequestError(
+                    f"cluster {self.ctx.cluster_id} saved its state with --parallel {parallel} but runs "
+                    f"--parallel {self.ctx.parallel} now; restart it with --parallel {parallel}"
                 )
             self.load_state_dict(saved["ranks"][self.ctx.rank])
 
