@@ -326,6 +326,7 @@ def _args(tmp_path, **given) -> Namespace:
 
 def test_the_launcher_takes_one_parallel_mode_or_one_per_cluster_and_keeps_it_for_resume(tmp_path):
     from nebula_fl.launcher.plan import make_plan
+    from nebula_fl.server.run_folder import RunFolder
 
     assert make_plan(_args(tmp_path)).launcher_record()["parallel"] == ["ddp", "ddp"]
     assert make_plan(_args(tmp_path, parallel="fsdp")).parallel == ["fsdp", "fsdp"]
@@ -338,6 +339,10 @@ def test_the_launcher_takes_one_parallel_mode_or_one_per_cluster_and_keeps_it_fo
     with pytest.raises(NebulaError, match="drop --parallel"):
         make_plan(_args(tmp_path, resume=str(tmp_path / "run"), out=None, clusters=None, preset=None,
                         partition=None, workers_per_cluster=None, parallel="fsdp"))
+    RunFolder(plan.out).write_config({"run_config": plan.config.to_flat(), "launcher": plan.launcher_record()})
+    resumed = make_plan(_args(tmp_path, resume=str(plan.out), out=None, clusters=None, preset=None, partition=None,
+                              workers_per_cluster=None))
+    assert resumed.resume and resumed.parallel == ["ddp", "fsdp"]  # what Federation passes to each trainer
 
 
 def test_the_trainer_cli_passes_parallel_on():
