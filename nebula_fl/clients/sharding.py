@@ -37,10 +37,10 @@ DP_REFUSED = ("per-example DP (privacy mode 'sample') runs with --parallel ddp o
               "'client'")
 
 
-def check_parallel(value: str, *, flag: str = "--parallel") -> str:
+def check_parallel(value: str, *, per_cluster: bool = False) -> str:
     if value not in PARALLEL:
-        raise NebulaError(f"{flag} has '{value}'; use ddp (every worker holds the whole model) or fsdp (each holds "
-                          "a shard), one value or one per cluster")
+        raise NebulaError(f"--parallel has '{value}'; use ddp (every worker holds the whole model) or fsdp (each "
+                          "holds a shard)" + (", one value or one per cluster" if per_cluster else ""))
     return value
 
 

@@ -148,7 +148,7 @@ def _device(text: str) -> str:
 def _parallel(text: str) -> str:
     from nebula_fl.clients.sharding import check_parallel
 
-    return check_parallel(text)
+    return check_parallel(text, per_cluster=True)
 
 
 def port_free(port: int) -> bool:
