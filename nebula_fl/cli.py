@@ -34,12 +34,16 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    "see --round-overlap and the round-seconds key)")
     p.add_argument("--round-overlap", action="store_true", default=None,
                    help="clusters train on while the network carries their update (sets round-overlap)")
-    p.add_argument("--workers-per-cluster", help="DDP workers per cluster: one value or one per cluster, e.g. 1,2")
+    p.add_argument("--workers-per-cluster", help="workers (torch.distributed ranks) per cluster: one value or one per "
+                   "cluster, e.g. 1,2")
     p.add_argument("--device", help="per cluster (comma-separated, or one for all): cpu, cuda (one GPU per worker), "
                    "cuda:N, or one device per worker joined by '+', e.g. cuda:0+cuda:1,cpu; GPU numbers as "
                    "CUDA_VISIBLE_DEVICES shows them")
     p.add_argument("--precision", help="auto (bf16 autocast on GPU, fp32 on CPU; fp32 under per-example DP), fp32 or "
                    "bf16: one value or one per cluster")
+    p.add_argument("--parallel", help="ddp (default: every worker holds the whole model) or fsdp (each holds a shard: "
+                   "a model too big for one worker); one value or one per cluster, e.g. ddp,fsdp; fsdp with 1 worker "
+                   "shards over a mesh of one (no saving, the same code path); per-example DP needs ddp")
     p.add_argument("--slowdown-per-cluster", help="emulate slower sites on one machine: each step of a cluster takes "
                    "this many times as long, the extra asleep; one value or one per cluster, e.g. 1,4 (default 1)")
     p.add_argument("--threads-per-cluster", help="torch threads per worker: one value or one per cluster, e.g. 2,1 "
@@ -82,6 +86,11 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
                    help="auto: bf16 autocast on GPU, fp32 on CPU and under per-example DP; the exchanged tensors "
                    "stay fp32 either way")
+    p.add_argument("--parallel", default="ddp", metavar="{ddp,fsdp}",
+                   help="ddp (default): every worker holds the whole model; fsdp: each holds a shard of the weights, "
+                   "gradients and optimizer state (FSDP2), for a model that does not fit one worker; with 1 worker "
+                   "fsdp shards over a mesh of one (no saving, the same code path); per-example DP (privacy mode "
+                   "sample) needs ddp")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: cores / workers)")
     p.add_argument("--slowdown", type=float, default=1.0,
                    help="emulate a slower site: every step takes this many times as long, the extra time asleep "
@@ -257,7 +266,7 @@ def _trainer(args: argparse.Namespace) -> int:
         cluster_id=args.cluster_id, socket_path=Path(args.socket).expanduser().resolve(),
         state_dir=Path(args.state_dir).expanduser().resolve(), model_path=resolve_model_path(args.model),
         shard=shard, workers=args.workers, device=args.device, precision=args.precision, threads=threads, policy=policy,
-        slowdown=args.slowdown, lock_wait_s=args.lock_wait,
+        slowdown=args.slowdown, lock_wait_s=args.lock_wait, parallel=args.parallel,
     )
     return run_trainer(opts)
 

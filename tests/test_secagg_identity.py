@@ -77,13 +77,14 @@ def test_nebula_fl_identity_prints_the_same_roster_line_every_time(tmp_path):
 def test_under_secure_aggregation_a_reply_says_only_what_is_harmless():
     everything = {  # what a trainer's round and its privacy gate put in a reply (trainer.py, privacy_gate.py)
         "cluster-id": 1, "num-examples": 4001, "examples-seen": 5000, "steps": 10, "train-loss": 0.4, "seconds": 3.2,
-        "encode-seconds": 0.1, "workers": 2, "device": "cpu", "rank-divergence": 0.0, "codec-up": "none",
+        "encode-seconds": 0.1, "workers": 2, "device": "cpu", "parallel": "fsdp", "rank-divergence": 0.0, "codec-up": "none",
         "update-bytes": 1000, "epsilon": 2.5, "epsilon-federation": 2.5, "delta": 2.5e-5, "dp-steps": 80,
         "accountant": "prv", "privacy-mode": "sample", "noise-multiplier": 1.1, "sample-rate": 0.125,
         "max-grad-norm": 1.0, "max-epsilon": 8.0, "secagg-keys-held": 1, "update-norm-before-clip": 3.0,
     }
     sample = in_the_clear(everything, mode="sample")
     assert set(sample) <= set(IN_THE_CLEAR)
+    assert sample["parallel"] == "fsdp" and sample["workers"] == 2  # the cluster's hardware, not its data
     assert not {"num-examples", "examples-seen", "train-loss", "seconds", "epsilon", "sample-rate", "delta"} & set(sample)
     client = in_the_clear(everything, mode="client")
     assert {"epsilon", "delta"} <= set(client) and "num-examples" not in client

@@ -4,7 +4,7 @@ What is trained is a ``Task`` (``nebula_fl/tasks/``): it builds the model, token
 and says what crosses the WAN. This file is the round loop around it; what a round receives and sends (codecs,
 views, client-level DP) is ``exchange.py``, the per-round snapshots ``snapshots.py``.
 
-Every rank of the cluster runs the same calls in the same order; gradients are averaged by DDP, and
+Every rank of the cluster runs the same calls in the same order; gradients are averaged by DDP (or FSDP), and
 the few decisions that could differ between ranks (a request that fails to set up) are agreed on
 through ``agree`` before any collective that could otherwise hang. Rank 0 alone answers the ClientApp
 and writes the cluster's snapshots.
@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from nebula_fl.clients.exchange import Exchange, privatize_update
 from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr, train_steps
 from nebula_fl.clients.overlap import Ahead, ahead_usable, busy, rebased, steps_ahead, steps_on_arrival
 from nebula_fl.clients.reply_cache import FEDERATION_ID
+from nebula_fl.clients.sharding import DP_REFUSED, load_optimizer_state, local_optimizer_state, wrap
 from nebula_fl.clients.snapshots import SnapshotStore
 from nebula_fl.config import ModelConfig, PrivacyConfig, TrainConfig
 from nebula_fl.data.datasets import TextDataset
@@ -59,6 +59,7 @@ class WorkerContext:
     control: Any  # the gloo process group for control messages
     slowdown: float = 1.0  # emulate a slower site: each step takes this many times as long (the extra asleep)
     precision: str = "auto"  # the operator's: auto, fp32 or bf16 (nebula_fl/devices.py resolves it per mechanism)
+    parallel: str = "ddp"  # "ddp": every rank holds the whole model; "fsdp": each a shard (clients/sharding.py)
 
 
 class RequestError(NebulaError):
@@ -146,6 +147,7 @@ class ClusterTrainer:
             "workers": int(self.ctx.world),
             "device": self.ctx.device.type,
             "precision": self.precision,
+            "parallel": self.ctx.parallel,
             "rank-divergence": float(max(abs(s - sums[0]) for s in sums)),
             **busy(busy_s=busy_s, since_send_s=since_send),
         }
@@ -317,6 +319,8 @@ class ClusterTrainer:
         self.precision = resolve_precision(self.ctx.precision, device_kind=self.ctx.device.type,
                                            privacy_mode=admission.mode)
         self.task: Task = make_task(task_name, options)
+        if admission.mode == "sample" and self.ctx.parallel == "fsdp":
+            raise RequestError(f"cluster {self.ctx.cluster_id}: {DP_REFUSED}")
         if admission.mode not in self.task.privacy_modes:
             raise RequestError(f"task '{task_name}' does not support privacy mode '{admission.mode}' "
                                f"(it supports {', '.join(self.task.privacy_modes)})")
@@ -341,11 +345,7 @@ class ClusterTrainer:
         if self.mode == "sample":
             self._setup_private(train_cfg, admission)
         else:
-            self.model = (
-                DistributedDataParallel(self.model_core, device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None)
-                if self.ctx.world > 1
-                else self.model_core
-            )
+            self.model = wrap(self.model_core, parallel=self.ctx.parallel, device=self.ctx.device, world=self.ctx.world)
             params = [p for p in self.model.parameters() if p.requires_grad]
             self.optimizer = torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
         self.initial_optimizer_state = copy.deepcopy(self.optimizer.state_dict())
@@ -398,7 +398,8 @@ class ClusterTrainer:
         assert self.round is not None
         return {
             "round": self.round,
-            "optimizer": self.optimizer.state_dict(),
+            "parallel": self.ctx.parallel,  # fsdp: the optimizer state below is this rank's shards
+            "optimizer": local_optimizer_state(self.optimizer.state_dict()),  # sharded (fsdp): this rank's shards
             "schedule": self.schedule.state_dict(),
             **rng_state(self.ctx.device),
             "anchor": None if self.anchor is None else {k: torch.from_numpy(v.copy()) for k, v in self.anchor.items()},
@@ -406,7 +407,7 @@ class ClusterTrainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         if not set_rng_state(state, self.ctx.device) and self.ctx.rank == 0:
             print(f"trainer {self.ctx.cluster_id}: the snapshot of round {int(state['round'])} was written on "
@@ -442,6 +443,12 @@ class ClusterTrainer:
                 raise RequestError(
                     f"cluster {self.ctx.cluster_id} saved its state with {saved['world']} workers but runs "
                     f"{self.ctx.world} now; restart it with --workers {saved['world']}"
+                )
+            parallel = saved["ranks"][self.ctx.rank].get("parallel", "ddp")
+            if parallel != self.ctx.parallel and self.ctx.world > 1:
+                raise RequestError(
+                    f"cluster {self.ctx.cluster_id} saved its state with --parallel {parallel} but runs "
+                    f"--parallel {self.ctx.parallel} now; restart it with --parallel {parallel}"
                 )
             self.load_state_dict(saved["ranks"][self.ctx.rank])
 

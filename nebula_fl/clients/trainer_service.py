@@ -56,6 +56,7 @@ IN_THE_CLEAR = {
     "workers": "the cluster's hardware, not its data",
     "device": "the cluster's hardware, not its data",
     "precision": "the cluster's hardware choice (bf16 autocast or fp32), not its data",
+    "parallel": "the cluster's hardware, not its data",
     "codec-up": "the codec the server asked for",
     "update-bytes": "fixed by the codec and the adapter's size",
     "privacy-mode": "the operator's policy mode",
@@ -91,6 +92,7 @@ class TrainerOptions:
     policy: PrivacyPolicy = field(default_factory=PrivacyPolicy)
     slowdown: float = 1.0  # emulate a slower site: each step takes this many times as long (asleep, no CPU)
     lock_wait_s: float = LOCK_WAIT_S  # how long to wait for the trainer before this one on the state folder
+    parallel: str = "ddp"  # "ddp" or "fsdp": how the workers share the model (clients/sharding.py)
 
 
 def _device_for(rank: int, opts: TrainerOptions):
@@ -125,7 +127,7 @@ def _worker_main(rank: int, opts: TrainerOptions, init_file: str, parent: int) -
         WorkerContext(
             rank=rank, world=opts.workers, cluster_id=opts.cluster_id, device=device,
             model_path=opts.model_path, shard=opts.shard, state_dir=opts.state_dir, control=control,
-            slowdown=opts.slowdown, precision=opts.precision,
+            slowdown=opts.slowdown, precision=opts.precision, parallel=opts.parallel,
         )
     )
     if rank == 0:
@@ -248,7 +250,7 @@ class Boundary:
     def describe(self) -> dict[str, Any]:
         opts = self.opts
         return {"cluster_id": opts.cluster_id, "num_examples": len(opts.shard), "workers": opts.workers,
-                "device": opts.device, "precision": opts.precision, "label_counts": opts.shard.label_counts(),
+                "device": opts.device, "precision": opts.precision, "parallel": opts.parallel, "label_counts": opts.shard.label_counts(),
                 "privacy_policy": opts.policy.to_dict()}
 
     def _secagg(self, request: Any) -> bytes:
@@ -460,6 +462,11 @@ def run_trainer(opts: TrainerOptions) -> int:
         raise NebulaError(f"--slowdown is {opts.slowdown:g}; use 1 (none) to 1000")
     if not 0.0 <= opts.lock_wait_s <= 3600.0:
         raise NebulaError(f"--lock-wait is {opts.lock_wait_s:g}; use 0 to 3600 seconds")
+    from nebula_fl.clients.sharding import DP_REFUSED, check_parallel
+
+    check_parallel(opts.parallel)
+    if opts.parallel == "fsdp" and opts.policy.mode == "sample":
+        raise NebulaError(f"cluster {opts.cluster_id}'s privacy policy is 'sample', but {DP_REFUSED}")
     if len(opts.shard) < opts.workers:
         raise NebulaError(f"cluster {opts.cluster_id} has {len(opts.shard)} examples for {opts.workers} workers")
     devices = worker_devices(opts.device, workers=opts.workers)
@@ -496,7 +503,7 @@ def run_trainer(opts: TrainerOptions) -> int:
     spent = {m: ledger.steps(mode=m) for m in ("sample", "client")}
     print(
         f"trainer {opts.cluster_id}: {opts.workers} worker(s) on {'+'.join(devices)} "
-        f"({precision}), {len(opts.shard)} examples, "
+        f"({precision}, parallel {opts.parallel}), {len(opts.shard)} examples, "
         f"socket {opts.socket_path}; privacy policy: {policy.mode}{budget}; ledger {spent['sample']} sample-level "
         f"step(s), {spent['client']} client-level release(s) so far; {secagg.describe()}",
         flush=True,

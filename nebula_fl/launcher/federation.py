@@ -204,6 +204,7 @@ class Federation:
                 "--max-examples", str(cfg.data.max_examples),
                 *(["--slowdown", f"{plan.slowdown_per_cluster[i]:g}"] if plan.slowdown_per_cluster else []),
                 *(["--precision", plan.precisions[i]] if plan.precisions else []),
+                *(["--parallel", plan.parallel[i]] if plan.parallel else []),
                 "--privacy-policy", str(self._write_policy(i, roster)),
             ]
             proc = self.procs.start(f"trainer-{i}", argv, log_path=self.logs / f"trainer-{i}.log", env=env)
@@ -235,7 +236,7 @@ class Federation:
             self._wait(ready, proc, f"trainer {i}", timeout=300)
             self.console.print(
                 f"cluster {i}: trainer ready, {info['num_examples']} examples, {info['workers']} worker(s) on "
-                f"{info['device']}, labels {info['label_counts']}"
+                f"{info['device']} ({info.get('parallel', 'ddp')}), labels {info['label_counts']}"
             )
             self.procs.start(
                 f"supernode-{i}",

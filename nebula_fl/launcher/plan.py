@@ -53,6 +53,7 @@ class LaunchPlan:
     threads_per_cluster: list[int] | None = None  # --threads-per-cluster: torch threads per worker, per cluster
     slowdown_per_cluster: list[float] | None = None  # --slowdown-per-cluster: emulated slower sites on one box
     precisions: list[str] | None = None  # --precision: auto, fp32 or bf16 per cluster (None: every cluster's auto)
+    parallel: list[str] | None = None  # --parallel: "ddp" or "fsdp" per cluster (None: ddp everywhere)
 
     @property
     def threads(self) -> list[int]:
@@ -68,6 +69,7 @@ class LaunchPlan:
         return {"clusters": self.clusters, "workers": self.workers, "devices": self.devices, "port": self.port,
                 "wan": self.wan, "secure": self.secure, "threads_per_cluster": self.threads_per_cluster,
                 "slowdown_per_cluster": self.slowdown_per_cluster, "precisions": self.precisions,
+                "parallel": self.parallel,
                 "cluster_policies": {str(k): v for k, v in (self.cluster_policies or {}).items()}}
 
 
@@ -147,6 +149,12 @@ def _precision(text: str) -> str:
     return text
 
 
+def _parallel(text: str) -> str:
+    from nebula_fl.clients.sharding import check_parallel
+
+    return check_parallel(text, per_cluster=True)
+
+
 def port_free(port: int) -> bool:
     """Whether the SuperLink could listen on `port`: it binds with SO_REUSEADDR (as uvicorn does), so a
     connection of an earlier run lingering in TIME_WAIT does not make the port busy; a listener does."""
@@ -205,7 +213,8 @@ def make_plan(args: Any) -> LaunchPlan:
                       slowdown_per_cluster=_per_cluster(slowdown, clusters, "--slowdown-per-cluster", _slowdown)
                       if slowdown else None,
                       cluster_policies=_cluster_policies(getattr(args, "cluster_policy", None), clusters),
-                      precisions=_per_cluster(precision, clusters, "--precision", _precision) if precision else None)
+                      precisions=_per_cluster(precision, clusters, "--precision", _precision) if precision else None,
+                      parallel=_per_cluster(getattr(args, "parallel", None) or "ddp", clusters, "--parallel", _parallel))
     _check(plan)
     return plan
 
@@ -214,7 +223,7 @@ def _resume_plan(args: Any) -> LaunchPlan:
     given = [name for name in ("clusters", "local_steps", "round_overlap", "outer_optimizer", "partition", "seed", "out", "run_config",
                                "workers_per_cluster", "preset", "codec", "wan", "secure", "secure_aggregation",
                                "task", "cluster_policy", "threads_per_cluster",
-                               "slowdown_per_cluster")
+                               "slowdown_per_cluster", "parallel")
              if getattr(args, name, None) is not None]
     if given:
         raise NebulaError(
@@ -254,6 +263,7 @@ def _resume_plan(args: Any) -> LaunchPlan:
                       port=args.port, resume=True, wan=launcher.get("wan"), secure=bool(launcher.get("secure")),
                       rewind=rewind, threads_per_cluster=launcher.get("threads_per_cluster"),
                       slowdown_per_cluster=launcher.get("slowdown_per_cluster"), precisions=precisions,
+                      parallel=launcher.get("parallel"),
                       cluster_policies={int(k): v for k, v in (launcher.get("cluster_policies") or {}).items()})
     _check(plan)
     return plan

@@ -2,7 +2,8 @@
 
 PEFT's own ``get_peft_model_state_dict`` / ``set_peft_model_state_dict`` decide which tensors belong
 to the adapter (the LoRA factors and the modules-to-save head); this module only converts and checks, and
-leaves out what `lora-mode="frozen-a"` fixed from the run's seed (LoRA A): it is never exchanged.
+leaves out what `lora-mode="frozen-a"` fixed from the run's seed (LoRA A): it is never exchanged. A model sharded
+by FSDP (``clients/sharding.py``) is read and written as full tensors: every rank calls these together.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
+from nebula_fl.clients.sharding import shard_like, whole
 from nebula_fl.comm.validation import check_arrays
 from nebula_fl.model.frozen_a import frozen_keys
 
@@ -22,7 +24,7 @@ Arrays = dict[str, np.ndarray]
 def adapter_arrays(model: PeftModel) -> Arrays:
     """Copies of the exchanged adapter tensors as float32 NumPy arrays, keyed as PEFT names them."""
     fixed = frozen_keys(model)
-    return {k: v.detach().cpu().float().numpy().copy() for k, v in get_peft_model_state_dict(model).items()
+    return {k: whole(v.detach()).cpu().float().numpy().copy() for k, v in get_peft_model_state_dict(model).items()
             if k not in fixed}
 
 
@@ -30,7 +32,9 @@ def load_adapter_arrays(model: PeftModel, arrays: Mapping[str, np.ndarray]) -> N
     """Set the model's adapter to `arrays`, which must match its keys and shapes exactly."""
     check_arrays(expected=adapter_shapes(model), arrays=arrays, what="adapter")
     device = next(model.parameters()).device
-    state = {k: torch.as_tensor(np.asarray(v), dtype=torch.float32, device=device) for k, v in arrays.items()}
+    now = get_peft_model_state_dict(model)
+    state = {k: shard_like(now[k], torch.as_tensor(np.asarray(v), dtype=torch.float32, device=device))
+             for k, v in arrays.items()}
     set_peft_model_state_dict(model, state)
 
 

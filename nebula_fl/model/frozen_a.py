@@ -49,14 +49,17 @@ def frozen_keys(model: PeftModel) -> frozenset[str]:
 
 
 def fingerprint(model: PeftModel) -> str:
-    """SHA-256 over the frozen tensors (name, shape, float32 bytes); '' when nothing is frozen."""
+    """SHA-256 over the frozen tensors (name, shape, float32 bytes); '' when nothing is frozen. Full tensors of a
+    sharded model: every rank calls it together."""
+    from nebula_fl.clients.sharding import whole
+
     keys = sorted(frozen_keys(model))
     if not keys:
         return ""
     state = get_peft_model_state_dict(model)
     digest = hashlib.sha256()
     for key in keys:
-        value = np.ascontiguousarray(state[key].detach().cpu().float().numpy())
+        value = np.ascontiguousarray(whole(state[key].detach()).cpu().float().numpy())
         digest.update(f"{key}:{value.shape}".encode())
         digest.update(value.tobytes())
     return digest.hexdigest()

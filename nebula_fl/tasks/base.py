@@ -105,12 +105,16 @@ class Task(ABC):
 
     # -- what crosses the WAN ------------------------------------------------------------------------
     def exchanged(self, model: nn.Module) -> Arrays:
-        """Copies of the exchanged tensors as float32 arrays."""
+        """Copies of the exchanged tensors as float32 arrays (full tensors of a model sharded by FSDP: every rank
+        calls this, and ``load_exchanged`` and ``fingerprint``, together)."""
+        from nebula_fl.clients.sharding import whole
+
         if self.exchange == "adapter":
             from nebula_fl.model.adapter import adapter_arrays
 
             return adapter_arrays(model)
-        return {k: p.detach().cpu().float().numpy().copy() for k, p in model.named_parameters() if p.requires_grad}
+        return {k: whole(p.detach()).cpu().float().numpy().copy() for k, p in model.named_parameters()
+                if p.requires_grad}
 
     def load_exchanged(self, model: nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
         """Set the exchanged tensors to `arrays` (exact keys and shapes, checked)."""
@@ -119,13 +123,14 @@ class Task(ABC):
 
             load_adapter_arrays(model, arrays)
             return
+        from nebula_fl.clients.sharding import shard_like
         from nebula_fl.comm.validation import check_arrays
 
         params = {k: p for k, p in model.named_parameters() if p.requires_grad}
         check_arrays(expected={k: tuple(p.shape) for k, p in params.items()}, arrays=arrays, what="model")
         with torch.no_grad():
             for k, p in params.items():
-                p.copy_(torch.as_tensor(np.asarray(arrays[k]), dtype=p.dtype, device=p.device))
+                p.copy_(shard_like(p, torch.as_tensor(np.asarray(arrays[k]), dtype=p.dtype, device=p.device)))
 
     def fingerprint(self, model: nn.Module) -> str:
         """A hash of what every side must share but never sends (frozen LoRA A); '' if nothing."""

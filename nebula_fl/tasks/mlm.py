@@ -193,8 +193,11 @@ class MLMTask(Task):
         """Mean cross-entropy over the masked positions (0 with a valid graph if a batch masks nothing)."""
         from transformers import BertForMaskedLM
 
-        if not isinstance(model, BertForMaskedLM):
-            # A wrapper (DDP): only its own forward synchronises the gradients, so the model's full MLM head runs.
+        from nebula_fl.clients.sharding import is_sharded
+
+        if not isinstance(model, BertForMaskedLM) or is_sharded(model):
+            # A wrapper (DDP), or a model sharded by FSDP (still a BertForMaskedLM): only its own forward
+            # synchronises the gradients (or gathers the root's shards), so the model's full MLM head runs.
             out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
             return out.logits.sum() * 0.0 if bool((batch["labels"] == -100).all()) else out.loss
         logits, targets = masked_logits(model, batch)
