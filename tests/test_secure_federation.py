@@ -1,6 +1,6 @@
-"""TLS and SuperNode authentication with the real Flower processes: a `nebula-fl run --secure` federation
-completes and resumes on the same certificates; a SuperNode whose key was never registered is refused;
-and through the emulated WAN no run of the adapter's bytes is visible, while without TLS it is."""
+"""TLS and SuperNode authentication with the real Flower processes: through the emulated WAN no run of the
+adapter's bytes is visible, while without TLS it is; the same `nebula-fl run --secure` federation completes and
+resumes on the same certificates; a SuperNode whose key was never registered is refused."""
 
 import json
 import os
@@ -167,12 +167,9 @@ def test_an_unregistered_supernode_is_refused_by_a_secured_superlink(tmp_path):
 
 
 # -- real federations ----------------------------------------------------------------------------------
-def test_a_secure_run_completes_and_resumes_on_the_same_certificates(tiny_model, run_cli, tmp_path):
-    out = tmp_path / "run"
-    started = time.monotonic()
-    cli = run_cli(*smoke_args(tiny_model, out, "--secure"), name="secure")
-    assert cli.wait(300) == 0, cli.output()[-4000:]
-    print(f"secure smoke run: {time.monotonic() - started:.0f} s")
+def _check_secure_run_then_resume(cli, out, run_cli) -> None:
+    """A finished `--secure` run: TLS and SuperNode auth everywhere, each SuperNode under the node id its key was
+    registered as; then --resume takes --secure from the record, reuses the certificates and registers again."""
     assert cli.survivors() == [], "processes outlived the launcher"
     flower = _flower_cmds(cli)  # a SuperNode's forked SuperExec shows its parent's line until it execs: count lines
     assert len({c for c in flower if "flower-supernode --root-certificates" in c}) == 2
@@ -195,7 +192,6 @@ def test_a_secure_run_completes_and_resumes_on_the_same_certificates(tiny_model,
     assert set(certs) == {"ca.crt", "ca.key", "server.crt", "server.key", "cluster-0", "cluster-0.pub",
                           "cluster-1", "cluster-1.pub"}
 
-    # --resume takes --secure from the record, reuses the certificates and registers the keys again
     started = time.monotonic()
     resumed = run_cli("run", "--resume", str(out), "--rounds", "3", "--port", "0", name="resume")
     assert resumed.wait(300) == 0, resumed.output()[-4000:]
@@ -222,8 +218,8 @@ def _found(streams: dict, windows: set[bytes]) -> set[bytes]:
 
 
 def _run_captured(tiny_model, run_cli, tmp_path, monkeypatch, name, *extra):
-    """A 2-round smoke run through the WAN proxies, recording every byte they forward; returns
-    (the global adapter after round 1, copied while the run goes on; the final adapter; the captured streams)."""
+    """A 2-round smoke run through the WAN proxies, recording every byte they forward; returns (the global adapter
+    after round 1, copied while the run goes on; the final adapter; the captured streams; the finished launch)."""
     out, capture = tmp_path / name, tmp_path / f"{name}-capture"
     monkeypatch.setenv(CAPTURE_DIR_ENV, str(capture))
     first = tmp_path / f"{name}-round-1.safetensors"
@@ -246,15 +242,16 @@ def _run_captured(tiny_model, run_cli, tmp_path, monkeypatch, name, *extra):
     assert len(list(capture.glob("*.cap"))) == 2
     superlink_log = (out / "logs" / "superlink.log").read_text()
     assert ("SuperNode authentication is disabled" in superlink_log) == ("--secure" not in extra)
-    return load_file(str(first)), load_file(str(out / "adapter.safetensors")), streams
+    return load_file(str(first)), load_file(str(out / "adapter.safetensors")), streams, cli
 
 
-def test_with_tls_no_adapter_bytes_cross_the_wan_and_without_it_they_do(tiny_model, run_cli, tmp_path, monkeypatch):
+def test_with_tls_no_adapter_bytes_cross_the_wan_and_without_it_they_do_and_a_secure_run_resumes(
+        tiny_model, run_cli, tmp_path, monkeypatch):
     # LoRA B factors start at zero, so round 2's downlink (the change since the initial adapter, codec
     # "none": raw float32) carries round 1's global B factors verbatim. The final adapter is never sent
     # (the run ends after aggregating it); it is searched for too, but only round 1's can tell.
-    plain_r1, _, plain = _run_captured(tiny_model, run_cli, tmp_path, monkeypatch, "plain")
-    secure_r1, secure_final, tls = _run_captured(tiny_model, run_cli, tmp_path, monkeypatch, "tls", "--secure")
+    plain_r1, _, plain, _ = _run_captured(tiny_model, run_cli, tmp_path, monkeypatch, "plain")
+    secure_r1, secure_final, tls, secure = _run_captured(tiny_model, run_cli, tmp_path, monkeypatch, "tls", "--secure")
 
     plain_b = _windows(b"".join(v.tobytes() for k, v in sorted(plain_r1.items()) if "lora_B" in k))
     assert len(plain_b) > 1000
@@ -273,3 +270,7 @@ def test_with_tls_no_adapter_bytes_cross_the_wan_and_without_it_they_do(tiny_mod
     assert ups and all(data[0] == 0x16 and data[1] == 0x03 for data in ups)  # each connection opens with a TLS handshake
     payload = sum(v.nbytes for v in secure_final.values())
     assert sum(len(d) for d in tls.values()) > 2 * payload  # the updates did cross, encrypted
+
+    # the same secure run, checked as a secure federation, then resumed on its certificates (one launch fewer)
+    monkeypatch.delenv(CAPTURE_DIR_ENV)
+    _check_secure_run_then_resume(secure, tmp_path / "tls", run_cli)
