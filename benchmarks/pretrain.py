@@ -705,6 +705,7 @@ def main() -> int:
     results = {
         "benchmark": "pretrain", "config": vars(args), "plan": plan.__dict__, "parameters": bench.params,
         "clusters": K, "parallel": args.parallel, "workers": args.workers,
+        "rank_threads": max(1, threads // args.workers) if ranks.spawned else None,  # device.torch_threads: this one
         "device": device_record(device, args.precision), "ddp_bytes": ddp_bytes,
         "headline": head["name"], "goal": f">= {GOAL_RATIO:.0f}x fewer bytes at <= {GOAL_GAP:.0%} higher final loss",
         "goal_met": s["goal_met"], "goal_length": "quick: does not decide the goal" if args.quick else "full",
