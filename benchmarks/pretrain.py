@@ -44,6 +44,22 @@ what it receives.
 
     .venv/bin/python benchmarks/pretrain.py --quick           # CPU: 2-layer BERT width 64, seq 32, 1,000 steps
     python benchmarks/pretrain.py --device cuda --precision bf16   # GPU: 4-layer BERT width 256, 20,000 steps
+    python benchmarks/pretrain.py --device cuda --parallel fsdp --workers 1   # the same, FSDP2 on one GPU
+    python benchmarks/pretrain.py --device cuda --parallel fsdp --workers N   # N GPUs, one rank each
+
+Inside a cluster (`--parallel ddp|fsdp`, `--workers W`, default ddp and 1: this process alone, as above): each
+cluster's model, and the data-parallel baseline's, trains on W ranks as nebula-fl's trainer runs them with
+`--parallel`, wrapped by `sharding.wrap` (fsdp: FSDP2, each rank holds a shard; one fsdp worker shards over a mesh
+of one). The ranks are spawned (torch.multiprocessing; gloo on cpu, NCCL on cuda with rank r on cuda:r, or cuda:N+r
+from `--device cuda:N`; more ranks than visible GPUs is refused, as NCCL refuses two ranks on one GPU) and each runs
+this whole benchmark loop on a contiguous 1/W slice of every batch (the batch must divide by W; each rank's loss is
+weighted by its share of the batch's masked tokens, so a step is the single-process step). The outer step, the
+codecs and the byte counts work on full tensors, gathered on every rank (`whole`), computed identically on each and
+cut back into shards (`shard_like`); rank 0 alone evaluates, prints and hands its results back. The WAN bytes
+between the clusters do not change with W: sharding is inside a cluster. Spawned ranks draw dropout from their own
+seeded streams (the batch masks stay the single-process run's), so with dropout a sharded run is the same training
+in distribution, not in bits; without it, it matches to float32 rounding (tests/test_pretrain_bench.py: W = 2 fsdp
+vs one process, held-out losses within 1 ulp).
 
 Measured (--quick, 2026-12-05, 2 shared cores, 1 torch thread, 2,090,490 parameters, 1,000 steps per cluster;
 20.8 min in all with the machine at load ~4 from other work, 67-164 s per setting: wall time depends on the load,
@@ -61,9 +77,10 @@ setting, so at this size the gap grows with length and a shorter run flatters it
 The length where the goal counts is the full mode (4 x 256 BERT, 20,000 steps, 40-200 outer steps); it needs a GPU
 and was NOT RUN.
 
-Writes results.json (`device`, `ddp_bytes` (measured and formula), `headline`, `bytes_ratio_vs_ddp` (measured),
-`bytes_ratio_vs_ddp_formula`, `loss_gap_relative` for the headline, `best_outer_lr` per H, `final_loss` and every
-figure per setting in `settings`, `curves`) and pretrain.png (held-out loss vs cumulative WAN bytes).
+Writes results.json (`device`, `parallel`, `workers`, `ddp_bytes` (measured and formula), `headline`,
+`bytes_ratio_vs_ddp` (measured), `bytes_ratio_vs_ddp_formula`, `loss_gap_relative` for the headline,
+`best_outer_lr` per H, `final_loss` and every figure per setting in `settings`, `curves`) and pretrain.png
+(held-out loss vs cumulative WAN bytes).
 """
 
 from __future__ import annotations
@@ -81,7 +98,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from nebula_fl.clients import sharding
 from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr
+from nebula_fl.clients.sharding import PARALLEL
 from nebula_fl.comm.views import codec_seed
 from nebula_fl.compression import Compressor, Layout
 from nebula_fl.config import DataConfig, ModelConfig
@@ -141,6 +160,44 @@ def parse_device(text: str, precision: str) -> torch.device:
     return device
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """How each cluster's model trains inside the cluster: `world` ranks (this one is `rank`), the model wrapped by
+    nebula-fl's `sharding.wrap` (`fsdp`: each rank holds a shard; `ddp`: each a whole copy). `ddp` with one worker
+    is this process alone, as the benchmark always ran; anything else is a spawned process group."""
+
+    parallel: str = "ddp"
+    world: int = 1
+    rank: int = 0
+
+    @property
+    def spawned(self) -> bool:
+        return self.parallel == "fsdp" or self.world > 1
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+
+def check_workers(parallel: str, workers: int, batch_size: int, device: torch.device) -> None:
+    """--parallel and --workers, refused in one line each: a mode nebula-fl has, a batch that splits evenly over
+    the ranks (each takes a contiguous 1/W of it, so a step is the single-process step), one GPU per rank."""
+    if parallel not in PARALLEL:
+        raise SystemExit(f"--parallel {parallel}: use ddp (every worker holds the whole model) or fsdp (each holds "
+                         "a shard)")
+    if workers < 1:
+        raise SystemExit(f"--workers {workers}: use 1 or more ranks per cluster")
+    if batch_size % workers:
+        raise SystemExit(f"--workers {workers}: the batch of {batch_size} rows does not split evenly over {workers} "
+                         f"ranks; use a number of workers that divides {batch_size}")
+    if device.type == "cuda" and (parallel == "fsdp" or workers > 1):
+        first, visible = device.index or 0, torch.cuda.device_count()
+        if first + workers > visible:
+            raise SystemExit(f"--workers {workers}: rank r runs on cuda:{first}+r and only {visible} CUDA device(s) "
+                             f"are visible (NCCL refuses two ranks on one GPU); use --workers {visible - first} or "
+                             "fewer")
+
+
 def device_record(device: torch.device, precision: str) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"device": str(device), "name": name, "precision": precision, "torch_threads": torch.get_num_threads()}
@@ -150,9 +207,10 @@ class Bench:
     """What every setting shares: task, data split, initial weights, batch streams, evaluation, device."""
 
     def __init__(self, plan: Plan, *, seed: int, console: Console, device: torch.device | None = None,
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", ranks: Ranks = Ranks(), dropout: bool = True) -> None:
         self.plan, self.seed, self.console = plan, seed, console
         self.device, self.precision = device or torch.device("cpu"), precision
+        self.ranks, self.dropout, self.draws = ranks, dropout, 0
         device = self.device
         self.task = MLMTask(options={"task.layers": plan.layers, "task.hidden": plan.hidden, "task.heads": plan.heads,
                                      "task.intermediate": 4 * plan.hidden})
@@ -183,11 +241,23 @@ class Bench:
 
     def fresh(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model = self.task.build_model(self.setup)  # bit-identical to self.model's initial weights (same seed)
+        if not self.dropout:  # (tests: every nn.Dropout at 0, so a sharded step can be compared bit for bit)
+            for module in model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
         model.train()
+        if self.ranks.spawned:
+            model = sharding.wrap(model, parallel=self.ranks.parallel, device=self.device, world=self.ranks.world)
         return model, torch.optim.AdamW(model.parameters(), lr=self.plan.lr, weight_decay=0.01)
+
+    @staticmethod
+    def core(model: torch.nn.Module) -> torch.nn.Module:
+        """The BERT itself: DDP's wrapper prefixes every name with `module.`; FSDP2 shards the model in place."""
+        return getattr(model, "module", model)
 
     def streams(self) -> list[BatchSchedule]:
         torch.manual_seed(self.seed)  # masking and dropout: the same stream at the start of every setting
+        self.draws = 0
         return [BatchSchedule(len(s), batch_size=self.plan.batch_size, seed=self.seed, rank=k)
                 for k, s in enumerate(self.shards)]
 
@@ -201,7 +271,43 @@ class Bench:
         """Evaluate after the round ending at `step` if it reached a multiple of eval_every, and at the end."""
         return step == self.plan.steps or step // self.plan.eval_every > (step - h) // self.plan.eval_every
 
+    def part(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+        """This rank's contiguous 1/W of the batch, and the weight that makes the mean of the ranks' losses (what
+        the sharded gradient averages) the full batch's loss: a rank's loss is the mean over its own masked tokens,
+        so it counts W x (its masked tokens / the batch's). The whole batch, weight 1, in one process."""
+        if not self.ranks.spawned:
+            return batch, 1.0
+        rows = batch["input_ids"].shape[0] // self.ranks.world
+        mine = {k: v[self.ranks.rank * rows:(self.ranks.rank + 1) * rows] for k, v in batch.items()}
+        total = int((batch["labels"] != -100).sum())
+        return mine, (self.ranks.world * int((mine["labels"] != -100).sum()) / total) if total else 1.0
+
+    def dropout_stream(self):
+        """Spawned ranks draw dropout from their own seeded stream, apart from the global RNG, which then only masks
+        batches (every rank masks the whole batch, from the same state, and takes its slice): the masks are the
+        single-process run's, and each rank's dropout differs from the others' (one shared stream would drop the
+        same units in every slice). The single-process run draws both from the global RNG, so with dropout on, a
+        spawned run is the same step in distribution, not in bits; with dropout off, the same to rounding."""
+        if not self.ranks.spawned:
+            return contextlib.nullcontext()
+        self.draws += 1
+        return _seeded_dropout(self.device, (self.seed * 1_000_003 + self.draws) * self.ranks.world + self.ranks.rank)
+
     def evaluate(self, arrays: dict[str, np.ndarray] | None = None, model: torch.nn.Module | None = None) -> float:
+        """Held-out loss of `arrays` or of `model`. Spawned: every rank gathers the full weights of a (sharded)
+        model together, rank 0 evaluates its unsharded copy and sends the loss to the others, which need it too
+        (the follow-ups' outer lr is picked from it)."""
+        if not self.ranks.spawned:
+            return self._evaluate(arrays, model)
+        import torch.distributed as dist
+
+        if model is not None:
+            arrays = self.task.exchanged(self.core(model))
+        loss = [self._evaluate(arrays, None) if self.ranks.lead else None]
+        dist.broadcast_object_list(loss, src=0)
+        return float(loss[0])
+
+    def _evaluate(self, arrays: dict[str, np.ndarray] | None, model: torch.nn.Module | None) -> float:
         if model is None:
             model = self.model
             self.task.load_exchanged(model, arrays or {})
@@ -209,13 +315,25 @@ class Bench:
             return self.task.evaluate(model, self.test, batch_size=128)["loss"]
 
 
+@contextlib.contextmanager
+def _seeded_dropout(device: torch.device, seed: int):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        yield
+
+
 def inner_step(bench: Bench, model, optimizer, batches: list[dict], step: int) -> None:
-    """One AdamW step on the mean loss of `batches` (several clusters' batches = DDP's averaged gradient)."""
+    """One AdamW step on the mean loss of `batches` (several clusters' batches = DDP's averaged gradient). Spawned,
+    each rank takes its slice of every batch (`Bench.part`) and the wrapped model averages the ranks' gradients."""
     optimizer.zero_grad(set_to_none=True)
-    for batch in batches:
-        with bench.autocast():
-            loss = bench.task.loss(model, batch) / len(batches)
-        loss.backward()
+    with bench.dropout_stream():
+        for batch in batches:
+            mine, weight = bench.part(batch)
+            with bench.autocast():
+                loss = bench.task.loss(model, mine) / len(batches)
+            (loss if weight == 1.0 else loss * weight).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     for group in optimizer.param_groups:
         group["lr"] = bench.lr_at(step)
@@ -227,13 +345,14 @@ def ddp_formula_bytes(params: int, world: int = K) -> float:
     return 2 * (2 * (world - 1) / world) * 4 * params
 
 
-def measure_ddp(bench: Bench, *, steps: int = 3, repeats: int = 5) -> dict:
+def measure_ddp(bench: Bench, *, steps: int = 3, repeats: int = 5, device: torch.device | None = None) -> dict:
     """Data-parallel bytes per step and rank on K real DDP ranks (benchmarks/ddp_bytes.py): NCCL, one GPU a rank,
     where the benchmark runs on cuda and K GPUs are visible; otherwise gloo on CPU over 127.0.0.1 (the byte
     counts are the float32 gradients' either way)."""
     from ddp_bytes import measure  # beside this script, first on sys.path
 
-    nccl = bench.device.type == "cuda" and torch.cuda.device_count() >= K
+    device = device or bench.device  # where the benchmark trains (a spawned run measures from a cpu Bench)
+    nccl = device.type == "cuda" and torch.cuda.device_count() >= K
     model, _ = bench.fresh()
     bs = bench.plan.batch_size
     batches = [[{k: v.cpu() for k, v in bench.shards[r].batch(np.arange(i * bs, (i + 1) * bs)).items()}
@@ -243,8 +362,8 @@ def measure_ddp(bench: Bench, *, steps: int = 3, repeats: int = 5) -> dict:
     out["formula_bytes"] = ddp_formula_bytes(bench.params)
     out["where"] = (f"NCCL on {K} GPUs; loopback unavailable (NCCL moves intra-node data by shared memory / NVLink)"
                     if nccl else f"gloo on CPU over 127.0.0.1, {K} ranks"
-                    + (f" (the benchmark trains on {bench.device}; fewer than {K} GPUs for NCCL)"
-                       if bench.device.type == "cuda" else ""))
+                    + (f" (the benchmark trains on {device}; fewer than {K} GPUs for NCCL)"
+                       if device.type == "cuda" else ""))
     out["used"] = "hook_wire_bytes"
     return out
 
@@ -283,6 +402,11 @@ def run_diloco(bench: Bench, h: int, codec: str, progress, *, outer_lr: float, o
     global_flat = torch.from_numpy(layout.flatten(bench.initial)).to(bench.device)
     views = [global_flat.cpu().numpy().copy() for _ in range(K)]  # the global model as each cluster holds it
     uplinks = [Compressor(codec, layout=layout) for _ in range(K)]  # one stream each, its EF residual kept
+    # Spawned ranks: `exchanged` gathers the full weights on every rank (in the same order), and every rank then
+    # runs the codecs, the byte counts and the outer step itself on those same arrays rather than rank 0 running
+    # them and broadcasting: they are deterministic (seeded codecs, the same torch ops on the same device type), so
+    # every rank ends with the same global model, with no extra collective of the model's size per round and one
+    # code path for 1 and W ranks. `load_exchanged` then cuts each rank's shard out locally (`shard_like`).
     velocity = None
     traffic = np.zeros(K)  # bytes each cluster sent and received so far
     curve = [(0, 0.0, bench.evaluate(layout.unflatten(views[0])))]
@@ -301,10 +425,10 @@ def run_diloco(bench: Bench, h: int, codec: str, progress, *, outer_lr: float, o
         deltas = []
         for k, (model, optimizer) in enumerate(clusters):
             downlink(k, seed)
-            bench.task.load_exchanged(model, layout.unflatten(views[k]))
+            bench.task.load_exchanged(bench.core(model), layout.unflatten(views[k]))
             for i in range(h):
                 inner_step(bench, model, optimizer, [bench.batch(k, streams[k])], (rnd - 1) * h + i)
-            update = layout.flatten(bench.task.exchanged(model)) - views[k]
+            update = layout.flatten(bench.task.exchanged(bench.core(model))) - views[k]
             blob = uplinks[k].encode(update, seed=seed)
             traffic[k] += len(blob)
             deltas.append(Compressor.decode(blob, layout=layout, seed=seed))
@@ -413,6 +537,97 @@ def plan_jobs(outer_lr: float | None, only: str | None) -> tuple[list[tuple], li
     return sweep, follow
 
 
+def run_settings(bench: Bench, sweep: list[tuple], follow: list[tuple], progress, *, per_step: float,
+                 outer_momentum: float) -> list[dict]:
+    """Data-parallel, the sweep, then each follow-up at the best outer lr of its H's sweep."""
+    runs: list[dict] = []
+
+    def timed(name: str, fn) -> None:
+        bench.console.print(f"[bold]{name}[/bold]")
+        t0 = time.monotonic()
+        run = fn()
+        run["wall_seconds"] = time.monotonic() - t0
+        runs.append(run)
+
+    timed("ddp", lambda: run_ddp(bench, progress, per_step))
+    for name, h, codec, lr in sweep:
+        timed(name, lambda h=h, codec=codec, lr=lr: run_diloco(bench, h, codec, progress, outer_lr=lr,
+                                                               outer_momentum=outer_momentum))
+    best = best_outer_lrs([{"name": r["name"], "h": r["h"], "codec": r["codec"], "outer_lr": r["outer_lr"],
+                            "final_loss": r["curve"][-1][2]} for r in runs[1:]])
+    for _, h, codec in follow:
+        timed(diloco_name(h, codec, best[h]),
+              lambda h=h, codec=codec: run_diloco(bench, h, codec, progress, outer_lr=best[h],
+                                                  outer_momentum=outer_momentum))
+    return runs
+
+
+def progress_printer(console: Console, started: float):
+    def progress(name: str, point: tuple) -> None:
+        step, sent, loss = point
+        console.print(f"  {name:>24}  step {step:>6}  loss {loss:.4f}  bytes/cluster {sent:>16,.0f}  "
+                      f"[{time.monotonic() - started:.0f} s]")
+
+    return progress
+
+
+def rank_main(rank: int, job: dict) -> None:
+    """One spawned rank: its process group (gloo on cpu, NCCL on cuda with rank r on cuda:first+r), its Bench (the
+    same data and weights on every rank, from the seed) and every setting; rank 0 alone prints, evaluates and
+    writes the runs to `job["runs_file"]`."""
+    import os
+    import warnings
+
+    import torch.distributed as dist
+
+    if rank:  # the others stay silent; rank 0 shows what every rank would (a library's warnings too)
+        warnings.simplefilter("ignore")
+    base = torch.device(job["device"])
+    cuda = base.type == "cuda"
+    device = torch.device("cuda", (base.index or 0) + rank) if cuda else base
+    if cuda:
+        torch.cuda.set_device(device)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(job["threads"])
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{job['init_file']}", rank=rank,
+                            world_size=job["workers"], **({"device_id": device} if cuda else {}))
+    try:
+        ranks = Ranks(parallel=job["parallel"], world=job["workers"], rank=rank)
+        console = Console(highlight=False, width=150, quiet=not ranks.lead)
+        bench = Bench(Plan(**job["plan"]), seed=job["seed"], console=console, device=device,
+                      precision=job["precision"], ranks=ranks, dropout=job.get("dropout", True))
+        runs = run_settings(bench, job["sweep"], job["follow"], progress_printer(console, job["started"]),
+                            per_step=job["per_step"], outer_momentum=job["outer_momentum"])
+        if ranks.lead:
+            Path(job["runs_file"]).write_text(json.dumps(runs))
+        dist.barrier()  # every rank done with its collectives before any tears the group down (gloo aborts else)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_ranks(job: dict) -> list[dict]:
+    """Run `rank_main` on job["workers"] spawned ranks and return rank 0's runs."""
+    import importlib
+    import sys
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    here = str(Path(__file__).resolve().parent)
+    added = here not in sys.path
+    if added:  # spawned ranks import this module by name, with the parent's sys.path
+        sys.path.insert(0, here)
+    try:
+        worker = importlib.import_module("pretrain").rank_main  # by that name, however this module was loaded
+        with tempfile.TemporaryDirectory(prefix="pretrain-ranks-") as tmp:
+            job = {**job, "init_file": str(Path(tmp, "rendezvous")), "runs_file": str(Path(tmp, "runs.json"))}
+            mp.start_processes(worker, args=(job,), nprocs=job["workers"], start_method="spawn")
+            return json.loads(Path(job["runs_file"]).read_text())
+    finally:
+        if added:
+            sys.path.remove(here)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
@@ -422,8 +637,14 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="bf16: torch.autocast on cuda (default fp32)")
+    parser.add_argument("--parallel", default="ddp",
+                        help="inside each cluster: ddp (every rank a whole copy) or fsdp (FSDP2, each rank a shard; "
+                        "1 worker shards over a mesh of one) (default ddp)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="ranks per cluster, each on a 1/W slice of every batch (default 1: this process)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: the cores idle at start)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (default: the cores idle at start; spawned ranks share them)")
     parser.add_argument("--out", default="benchmarks/results/pretrain")
     parser.add_argument("--outer-lr", type=float, default=None,
                         help="one outer Nesterov rate for every H instead of the sweep (default: the sweep)")
@@ -438,18 +659,25 @@ def main() -> int:
         if args.steps < lcm or args.steps % lcm:
             raise SystemExit(f"--steps {args.steps}: use a positive multiple of {lcm} (the LCM of H)")
         plan = Plan(**{**plan.__dict__, "steps": args.steps})
+    check_workers(args.parallel, args.workers, plan.batch_size, device)
+    ranks = Ranks(parallel=args.parallel, world=args.workers)
     sweep, follow = plan_jobs(args.outer_lr, args.only)
-    torch.set_num_threads(args.threads or default_threads())
+    threads = args.threads or default_threads()
+    torch.set_num_threads(threads)
     from federation_runs import fresh_out  # beside this script, first on sys.path
 
     out = fresh_out(args.out)
     console = Console(highlight=False, width=150)
     started = time.monotonic()
-    console.print(f"torch threads: {torch.get_num_threads()}")
-    bench = Bench(plan, seed=args.seed, console=console, device=device, precision=args.precision)
+    console.print(f"torch threads: {torch.get_num_threads()}"
+                  + (f"; each cluster trains on {args.workers} spawned rank(s), --parallel {args.parallel}, "
+                     f"{max(1, threads // args.workers)} thread(s) each" if ranks.spawned else ""))
+    # Spawned: this process only measures the all-reduce, on a cpu Bench of its own; rank 0 prints the model line.
+    bench = Bench(plan, seed=args.seed, console=Console(quiet=True) if ranks.spawned else console,
+                  device=torch.device("cpu") if ranks.spawned else device, precision=args.precision)
 
     console.print("[bold]data-parallel bytes on a real all-reduce[/bold]")
-    ddp_bytes = measure_ddp(bench)
+    ddp_bytes = measure_ddp(bench, device=device)
     loop = ddp_bytes["loopback_bytes"]
     console.print(f"  {ddp_bytes['where']}: hook payload {ddp_bytes['hook_payload_bytes']:,.0f} B per step and rank "
                   f"({ddp_bytes['hook_buckets_per_step']:.0f} buckets; trainable gradients "
@@ -460,30 +688,15 @@ def main() -> int:
                      f"{', '.join(f'{x:,.0f}' for x in ddp_bytes['loopback_samples'])})")
                   + f"; formula {ddp_bytes['formula_bytes']:,.0f} B")
 
-    def progress(name: str, point: tuple) -> None:
-        step, sent, loss = point
-        console.print(f"  {name:>24}  step {step:>6}  loss {loss:.4f}  bytes/cluster {sent:>16,.0f}  "
-                      f"[{time.monotonic() - started:.0f} s]")
-
-    runs: list[dict] = []
-
-    def timed(name: str, fn) -> None:
-        console.print(f"[bold]{name}[/bold]")
-        t0 = time.monotonic()
-        run = fn()
-        run["wall_seconds"] = time.monotonic() - t0
-        runs.append(run)
-
-    timed("ddp", lambda: run_ddp(bench, progress, ddp_bytes["hook_wire_bytes"]))
-    for name, h, codec, lr in sweep:
-        timed(name, lambda h=h, codec=codec, lr=lr: run_diloco(bench, h, codec, progress, outer_lr=lr,
-                                                               outer_momentum=args.outer_momentum))
-    best = best_outer_lrs([{"name": r["name"], "h": r["h"], "codec": r["codec"], "outer_lr": r["outer_lr"],
-                            "final_loss": r["curve"][-1][2]} for r in runs[1:]])
-    for _, h, codec in follow:
-        timed(diloco_name(h, codec, best[h]),
-              lambda h=h, codec=codec: run_diloco(bench, h, codec, progress, outer_lr=best[h],
-                                                  outer_momentum=args.outer_momentum))
+    if ranks.spawned:
+        runs = spawn_ranks({"plan": plan.__dict__, "seed": args.seed, "device": str(device),
+                            "precision": args.precision, "parallel": args.parallel, "workers": args.workers,
+                            "threads": max(1, threads // args.workers), "sweep": sweep, "follow": follow,
+                            "per_step": ddp_bytes["hook_wire_bytes"], "outer_momentum": args.outer_momentum,
+                            "started": started})
+    else:
+        runs = run_settings(bench, sweep, follow, progress_printer(console, started),
+                            per_step=ddp_bytes["hook_wire_bytes"], outer_momentum=args.outer_momentum)
     s = summarise(runs, ddp_bytes)
     head = s["headline"]
     verdict = "MET" if s["goal_met"] else "MISSED"
@@ -491,7 +704,9 @@ def main() -> int:
         verdict += " at --quick length, which does not decide the goal (the full mode does)"
     results = {
         "benchmark": "pretrain", "config": vars(args), "plan": plan.__dict__, "parameters": bench.params,
-        "clusters": K, "device": device_record(device, args.precision), "ddp_bytes": ddp_bytes,
+        "clusters": K, "parallel": args.parallel, "workers": args.workers,
+        "rank_threads": max(1, threads // args.workers) if ranks.spawned else None,  # device.torch_threads: this one
+        "device": device_record(device, args.precision), "ddp_bytes": ddp_bytes,
         "headline": head["name"], "goal": f">= {GOAL_RATIO:.0f}x fewer bytes at <= {GOAL_GAP:.0%} higher final loss",
         "goal_met": s["goal_met"], "goal_length": "quick: does not decide the goal" if args.quick else "full",
         "bytes_ratio_vs_ddp": head["bytes_ratio_vs_ddp"],
@@ -503,11 +718,12 @@ def main() -> int:
         "wall_seconds": time.monotonic() - started,
     }
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    inside = f", {args.workers} x {args.parallel} per cluster" if ranks.spawned else ""
     plot(runs, out, f"MLM pre-training, {K} clusters, {plan.steps:,} inner steps each "
-                    f"({plan.layers}x{plan.hidden} BERT, seq {plan.seq_len}, {device.type} {args.precision})")
+                    f"({plan.layers}x{plan.hidden} BERT, seq {plan.seq_len}, {device.type} {args.precision}{inside})")
 
     table = Table(title=f"MLM pre-training: data-parallel vs DiLoCo ({K} clusters, {plan.steps:,} inner steps each, "
-                        f"{bench.params:,} parameters, {results['device']['name']} {args.precision})")
+                        f"{bench.params:,} parameters, {results['device']['name']} {args.precision}{inside})")
     for col in ("setting", "final loss", "perplexity", "WAN bytes / cluster", "ratio vs DDP (measured)",
                 "ratio (formula)", "loss gap", "wall s"):
         table.add_column(col, justify="right")

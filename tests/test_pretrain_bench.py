@@ -107,3 +107,49 @@ def test_the_sweep_rises_with_h_and_outer_lr_replaces_it():
         pretrain.plan_jobs(None, "ddp,diloco-H500-int4")
     with pytest.raises(SystemExit, match="ddp missing"):
         pretrain.plan_jobs(None, "diloco-H200-int8-lr1")
+
+
+TINY = dict(layers=1, hidden=16, heads=2, seq_len=16, steps=4, batch_size=4, lr=1e-2, eval_every=2,
+            test_fraction=0.1, max_examples=100)
+TINY_SWEEP = [("diloco-H2-int8-lr0.7", 2, "int8", 0.7)]
+
+
+def test_two_fsdp_ranks_per_cluster_train_what_one_process_trains():
+    """The whole benchmark loop (data-parallel, then DiLoCo H = 2 with int8 codecs and the outer step on gathered
+    full tensors) on a 1-layer width-16 BERT, 4 steps of 4 rows: in this process, and on 2 spawned gloo ranks per
+    cluster under FSDP2, each on 2 rows of every batch. Dropout is off in both (a spawned rank draws its own; see
+    `Bench.dropout_stream`), so the runs are the same maths and differ only by how the sharded reductions round."""
+    from rich.console import Console
+
+    plan = pretrain.Plan(**TINY)
+    torch.set_num_threads(1)
+    bench = pretrain.Bench(plan, seed=0, console=Console(quiet=True), dropout=False)
+    one = pretrain.run_settings(bench, TINY_SWEEP, [], lambda *_: None, per_step=1.0, outer_momentum=0.9)
+    two = pretrain.spawn_ranks({"plan": TINY, "seed": 0, "device": "cpu", "precision": "fp32", "parallel": "fsdp",
+                                "workers": 2, "threads": 1, "sweep": TINY_SWEEP, "follow": [], "per_step": 1.0,
+                                "outer_momentum": 0.9, "started": 0.0, "dropout": False})
+    assert [r["name"] for r in two] == ["ddp", "diloco-H2-int8-lr0.7"]
+    for a, b in zip(one, two, strict=True):
+        steps, losses = [p[0] for p in a["curve"]], np.array([p[2] for p in a["curve"]])
+        assert [p[0] for p in b["curve"]] == steps == [0, 2, 4]
+        assert [p[1] for p in b["curve"]] == [p[1] for p in a["curve"]]  # the same WAN bytes: sharding is inside
+        # Tolerance: 4 float32 ulps of the loss (np.spacing(float32(10.3)) = 9.5e-7). Measured (2026-12-05): the
+        # data-parallel curve agrees exactly, DiLoCo's final loss by 6.9e-7 (< 1 ulp); training moved the loss by
+        # 0.05-0.07 meanwhile, 10^4 x the tolerance, so the comparison is not vacuous.
+        tolerance = 4 * float(np.spacing(np.float32(losses.max())))
+        assert losses[0] - losses[-1] > 1e3 * tolerance
+        np.testing.assert_allclose([p[2] for p in b["curve"]], losses, rtol=0, atol=tolerance)
+
+
+def test_workers_and_parallel_are_refused_in_one_line():
+    cpu = torch.device("cpu")
+    pretrain.check_workers("fsdp", 2, 16, cpu)
+    pretrain.check_workers("ddp", 1, 16, cpu)
+    with pytest.raises(SystemExit, match=r"^--workers 3: the batch of 16 rows does not split evenly over 3 ranks; "
+                                         r"use a number of workers that divides 16$"):
+        pretrain.check_workers("fsdp", 3, 16, cpu)
+    with pytest.raises(SystemExit, match=r"^--parallel zero: use ddp \(every worker holds the whole model\) or fsdp "
+                                         r"\(each holds a shard\)$"):
+        pretrain.check_workers("zero", 1, 16, cpu)
+    with pytest.raises(SystemExit, match=r"^--workers 0: "):
+        pretrain.check_workers("ddp", 0, 16, cpu)
