@@ -97,6 +97,7 @@ class _Evaluator:
     """The ServerApp's evaluator without a model: accuracy r/10 for round r."""
 
     labels = ("a", "b")
+    device = "cpu"
 
     def __init__(self, cfg):
         self.task = SimpleNamespace(metric="accuracy", exchange="adapter")
