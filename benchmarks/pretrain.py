@@ -534,6 +534,8 @@ def plan_jobs(outer_lr: float | None, only: str | None) -> tuple[list[tuple], li
         orphans = [j[0] for j in follow if j[1] not in {s[1] for s in sweep}]
         if orphans:
             raise SystemExit(f"--only: {', '.join(orphans)} needs an {SWEEP_CODEC} setting of its H to pick its lr")
+        if not sweep:
+            raise SystemExit("--only: name at least one DiLoCo setting beside ddp; the benchmark compares them")
     return sweep, follow
 
 

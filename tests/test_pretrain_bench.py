@@ -107,6 +107,8 @@ def test_the_sweep_rises_with_h_and_outer_lr_replaces_it():
         pretrain.plan_jobs(None, "ddp,diloco-H500-int4")
     with pytest.raises(SystemExit, match="ddp missing"):
         pretrain.plan_jobs(None, "diloco-H200-int8-lr1")
+    with pytest.raises(SystemExit, match="at least one DiLoCo setting"):  # the headline would have nothing to pick
+        pretrain.plan_jobs(None, "ddp")
 
 
 TINY = dict(layers=1, hidden=16, heads=2, seq_len=16, steps=4, batch_size=4, lr=1e-2, eval_every=2,
