@@ -22,6 +22,10 @@ from nebula_fl.errors import NebulaError
 
 _ONE = re.compile(r"cpu|cuda(?::(\d{1,3}))?")
 PRECISIONS = ("auto", "fp32", "bf16")
+PARALLEL = ("ddp", "fsdp")  # how a cluster's workers share the model: nebula_fl/clients/sharding.py
+DP_REFUSED = ("per-example DP (privacy mode 'sample') runs with --parallel ddp only: Opacus's per-sample "
+              "gradients are not wired to FSDP here; run this cluster with --parallel ddp, or use privacy mode "
+              "'client'")
 
 
 def _entries(spec: str, *, where: str) -> list[str]:
@@ -65,6 +69,13 @@ def worker_devices(spec: str, *, workers: int, where: str = "--device") -> list[
         raise NebulaError(f"{where} '{spec}' puts {workers} workers on one GPU, which NCCL refuses; give each worker "
                           f"its own GPU (e.g. {'+'.join(f'cuda:{r}' for r in range(workers))}) or use 1 worker")
     return [entry]
+
+
+def check_parallel(value: str, *, per_cluster: bool = False) -> str:
+    if value not in PARALLEL:
+        raise NebulaError(f"--parallel has '{value}'; use ddp (every worker holds the whole model) or fsdp (each "
+                          "holds a shard)" + (", one value or one per cluster" if per_cluster else ""))
+    return value
 
 
 def visible_note() -> str:

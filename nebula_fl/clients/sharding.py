@@ -29,20 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from nebula_fl.errors import NebulaError
-
-PARALLEL = ("ddp", "fsdp")
-DP_REFUSED = ("per-example DP (privacy mode 'sample') runs with --parallel ddp only: Opacus's per-sample "
-              "gradients are not wired to FSDP here; run this cluster with --parallel ddp, or use privacy mode "
-              "'client'")
-
-
-def check_parallel(value: str, *, per_cluster: bool = False) -> str:
-    if value not in PARALLEL:
-        raise NebulaError(f"--parallel has '{value}'; use ddp (every worker holds the whole model) or fsdp (each "
-                          "holds a shard)" + (", one value or one per cluster" if per_cluster else ""))
-    return value
-
 
 def wrap(model: nn.Module, *, parallel: str, device: torch.device, world: int) -> nn.Module:
     """The model the ranks train: sharded in place (FSDP2: `model` itself becomes the sharded module), DDP, or

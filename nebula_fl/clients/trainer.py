@@ -34,11 +34,11 @@ from nebula_fl.clients.exchange import Exchange, privatize_update
 from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr, train_steps
 from nebula_fl.clients.overlap import Ahead, ahead_usable, busy, rebased, steps_ahead, steps_on_arrival
 from nebula_fl.clients.reply_cache import FEDERATION_ID
-from nebula_fl.clients.sharding import DP_REFUSED, load_optimizer_state, local_optimizer_state, wrap
+from nebula_fl.clients.sharding import load_optimizer_state, local_optimizer_state, wrap
 from nebula_fl.clients.snapshots import SnapshotStore
 from nebula_fl.config import ModelConfig, PrivacyConfig, TrainConfig
 from nebula_fl.data.datasets import TextDataset
-from nebula_fl.devices import resolve_precision
+from nebula_fl.devices import DP_REFUSED, resolve_precision
 from nebula_fl.errors import NebulaError
 from nebula_fl.privacy.dp_recipe import learning_rate, logical_batch
 from nebula_fl.privacy.policy import Admission

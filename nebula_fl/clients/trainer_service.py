@@ -462,7 +462,7 @@ def run_trainer(opts: TrainerOptions) -> int:
         raise NebulaError(f"--slowdown is {opts.slowdown:g}; use 1 (none) to 1000")
     if not 0.0 <= opts.lock_wait_s <= 3600.0:
         raise NebulaError(f"--lock-wait is {opts.lock_wait_s:g}; use 0 to 3600 seconds")
-    from nebula_fl.clients.sharding import DP_REFUSED, check_parallel
+    from nebula_fl.devices import DP_REFUSED, check_parallel
 
     check_parallel(opts.parallel)
     if opts.parallel == "fsdp" and opts.policy.mode == "sample":

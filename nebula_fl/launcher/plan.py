@@ -150,7 +150,7 @@ def _precision(text: str) -> str:
 
 
 def _parallel(text: str) -> str:
-    from nebula_fl.clients.sharding import check_parallel
+    from nebula_fl.devices import check_parallel
 
     return check_parallel(text, per_cluster=True)
 
