@@ -19,6 +19,7 @@ parameters, on CPU or GPU, with or without autocast.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -129,6 +130,23 @@ def _worker(rank: int, world: int, backend: str, init_file: str, model: torch.nn
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def spawnable(module: str, name: str):
+    """Function `name` of the benchmark script `module`, importable by that name in spawned ranks: they unpickle it
+    with the parent's sys.path, so the benchmarks folder is on it while they run (however the script was loaded)."""
+    import importlib
+
+    here = str(Path(__file__).resolve().parent)
+    added = here not in sys.path
+    if added:
+        sys.path.insert(0, here)
+    try:
+        yield getattr(importlib.import_module(module), name)
+    finally:
+        if added:
+            sys.path.remove(here)
+
+
 def measure(model: torch.nn.Module, batches: list[list[dict]], loss_fn, *, backend: str = "gloo",
             steps: int = 3, repeats: int = 5) -> dict:
     """Run DDP on len(batches) ranks (rank r uses batches[r], steps + 1 of them or fewer, cycled) and return the
@@ -142,21 +160,10 @@ def measure(model: torch.nn.Module, batches: list[list[dict]], loss_fn, *, backe
         raise ValueError(f"measure: {world} rank(s); an all-reduce needs at least 2 (one batch list per rank)")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"measure: backend {backend!r}; use gloo or nccl")
-    here = str(Path(__file__).resolve().parent)
-    added = here not in sys.path
-    if added:  # spawned ranks import this module by name, with the parent's sys.path
-        sys.path.insert(0, here)
-    try:
-        import importlib
-
-        worker = importlib.import_module("ddp_bytes")._worker  # by that name, however this module was loaded
-        with tempfile.TemporaryDirectory(prefix="ddp-bytes-") as tmp:
-            mp.spawn(worker, args=(world, backend, os.path.join(tmp, "rendezvous"), model.cpu(), batches, loss_fn,
-                                    steps, repeats, tmp), nprocs=world, join=True)
-            raw = json.loads(Path(tmp, "result.json").read_text())
-    finally:
-        if added:
-            sys.path.remove(here)
+    with spawnable("ddp_bytes", "_worker") as worker, tempfile.TemporaryDirectory(prefix="ddp-bytes-") as tmp:
+        mp.spawn(worker, args=(world, backend, os.path.join(tmp, "rendezvous"), model.cpu(), batches, loss_fn,
+                                steps, repeats, tmp), nprocs=world, join=True)
+        raw = json.loads(Path(tmp, "result.json").read_text())
     n = raw["steps"]
     payload = raw["hook_bytes"] / n
     samples = [(a - i) * 2 / world / steps for a, i in zip(raw["active"], raw["idle"], strict=True)]

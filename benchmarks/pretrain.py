@@ -609,25 +609,15 @@ def rank_main(rank: int, job: dict) -> None:
 
 def spawn_ranks(job: dict) -> list[dict]:
     """Run `rank_main` on job["workers"] spawned ranks and return rank 0's runs."""
-    import importlib
-    import sys
     import tempfile
 
     import torch.multiprocessing as mp
+    from ddp_bytes import spawnable  # beside this script, first on sys.path
 
-    here = str(Path(__file__).resolve().parent)
-    added = here not in sys.path
-    if added:  # spawned ranks import this module by name, with the parent's sys.path
-        sys.path.insert(0, here)
-    try:
-        worker = importlib.import_module("pretrain").rank_main  # by that name, however this module was loaded
-        with tempfile.TemporaryDirectory(prefix="pretrain-ranks-") as tmp:
-            job = {**job, "init_file": str(Path(tmp, "rendezvous")), "runs_file": str(Path(tmp, "runs.json"))}
-            mp.start_processes(worker, args=(job,), nprocs=job["workers"], start_method="spawn")
-            return json.loads(Path(job["runs_file"]).read_text())
-    finally:
-        if added:
-            sys.path.remove(here)
+    with spawnable("pretrain", "rank_main") as worker, tempfile.TemporaryDirectory(prefix="pretrain-ranks-") as tmp:
+        job = {**job, "init_file": str(Path(tmp, "rendezvous")), "runs_file": str(Path(tmp, "runs.json"))}
+        mp.start_processes(worker, args=(job,), nprocs=job["workers"], start_method="spawn")
+        return json.loads(Path(job["runs_file"]).read_text())
 
 
 def main() -> int:

@@ -37,11 +37,6 @@ def _entries(spec: str, *, where: str) -> list[str]:
     return entries
 
 
-def check_spec(spec: str, *, workers: int, where: str = "--device") -> None:
-    """The spec's syntax and its fit to `workers`, without looking for GPUs."""
-    worker_devices(spec, workers=workers, where=where)
-
-
 def worker_devices(spec: str, *, workers: int, where: str = "--device") -> list[str]:
     """One device per worker ('cpu' or 'cuda:N'), in rank order."""
     entries = _entries(spec, where=where)
