@@ -46,6 +46,7 @@ from hypothesis import strategies as st
 
 from nebula_fl.clients.protocol import pack, unpack
 from nebula_fl.comm.validation import check_arrays
+from nebula_fl.components import load
 from nebula_fl.compression import CodecError, Compressor, Layout, available_codecs, parse_spec
 from nebula_fl.config import RunConfig
 from nebula_fl.errors import NebulaError
@@ -365,7 +366,7 @@ def flat_cases(draw: Callable) -> Case:
 
 
 def from_flat(case: Case) -> RunConfig:
-    return RunConfig.from_flat(case.args["flat"])
+    return load(case.args["flat"])  # values, then the plug-ins they name (components.resolve)
 
 
 def check_config(case: Case, cfg: Any) -> str | None:
@@ -1102,7 +1103,7 @@ def make_targets(workdir: Path) -> dict[str, Target]:
     targets = [
         Target("codec-blob", "Compressor.decode(blob, layout=, seed=)", (CodecError,), codec_cases(), decode_blob,
                check_decoded, 8000),
-        Target("config-flat", "RunConfig.from_flat(flat)", (NebulaError,), flat_cases(), from_flat, check_config, 4000),
+        Target("config-flat", "components.load(flat)", (NebulaError,), flat_cases(), from_flat, check_config, 4000),
         Target("config-text", "parse_run_config(text) -> RunConfig().replace", (NebulaError,), config_text_cases(),
                config_text, check_config, 3000),
         Target("trainer-frame", "clients.protocol.unpack(frame)", (ValueError,), frame_cases(), unpack_frame,

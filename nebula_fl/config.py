@@ -108,6 +108,7 @@ WEEK_S = 7 * 24 * 3600
 DAY_S = 24 * 3600
 MAX_EXAMPLES = 1_000_000_000
 MAX_ALPHA = 1e6
+MAX_CODEC_SPEC = 256  # compression.spec.MAX_SPEC, which parse_spec enforces with its own sentence
 MAX_PARAM = 1024  # adaptive compression's ratio (<= 1), bits (4, 8) or rank (the low-rank codec's cap)
 # C0/C1 controls (NUL, newline, ...), line/paragraph separators and lone surrogates (not UTF-8): no value
 # that becomes a path, an argv entry, a TOML string or one line of an error message may hold them.
@@ -402,12 +403,8 @@ class OuterConfig(Section):
     def __post_init__(self) -> None:
         _text("outer-optimizer", self.outer_optimizer, max_len=MAX_NAME_BYTES,
               fix=f"use one of {', '.join(OUTER_OPTIMIZERS)} or an installed plugin's name")
-        from nebula_fl.strategies import strategy_class
-
-        try:
-            strategy_class(self.outer_optimizer)
-        except ConfigError as err:
-            raise ConfigError(f"config key 'outer-optimizer': {err}") from None
+        _require(bool(self.outer_optimizer), "outer-optimizer", "is '' (empty)",
+                 f"use one of {', '.join(OUTER_OPTIMIZERS)} or an installed plugin's name")
         if self.outer_lr is not None:
             _real("outer-lr", self.outer_lr, low=0, high=10, low_open=True,
                   fix="use a rate > 0 (at most 10) or \"auto\"")
@@ -448,17 +445,9 @@ class CommConfig(Section):
     at most 2**20 characters, no control characters."""
 
     def __post_init__(self) -> None:
-        from nebula_fl.compression import CodecError, parse_spec
-        from nebula_fl.compression.spec import MAX_SPEC
-
         for key, spec in (("comm.codec", self.codec), ("comm.codec-down", self.codec_down)):
-            _text(key, spec, max_len=MAX_SPEC, fix="name a chain, e.g. 'int8' or 'topk:0.05+int8'")
-            if key == "comm.codec-down" and spec == "same":
-                continue
-            try:
-                parse_spec(spec)
-            except CodecError as err:
-                raise ConfigError(f"config key '{key}' {err}") from None
+            _text(key, spec, max_len=MAX_CODEC_SPEC, fix="name a chain, e.g. 'int8' or 'topk:0.05+int8'")
+            # the chain itself (codec names, arguments, order) is checked where codecs load: components.resolve
         _bool("comm.adaptive", self.adaptive)
         _real("comm.target-seconds", self.target_seconds, low=0, high=DAY_S, low_open=True,
               fix=f"use seconds > 0 (at most {DAY_S}, one day)")
@@ -627,23 +616,12 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     task_options: Mapping[str, Scalar] = field(default_factory=dict)
     """The chosen task's own ``task.*`` keys (all but ``task.name``), checked by the task's ``Options``."""
+    strategy_options: Mapping[str, Scalar] = field(default_factory=dict)
+    """The outer strategy's own ``strategy.*`` keys, checked by the strategy's ``Options``."""
 
     def __post_init__(self) -> None:
-        from nebula_fl.tasks import task_class
-
-        try:
-            cls = task_class(self.task.name)
-        except ConfigError as err:
-            raise ConfigError(f"config key 'task.name': {err}") from None
-        known = cls.Options.flat_keys()
-        for key in self.task_options:
-            if key not in known:
-                close = difflib.get_close_matches(key, list(known), n=1)
-                hint = f"did you mean '{close[0]}'?" if close else f"task '{self.task.name}' knows {sorted(known) or 'none'}"
-                raise ConfigError(f"unknown config key {_show(key)}; {hint}")
-        cls.Options.from_flat(self.task_options)
-        _require(self.privacy.mode in cls.privacy_modes, "privacy.mode", f"is '{self.privacy.mode}' with task "
-                 f"'{self.task.name}'", f"use one of {', '.join(cls.privacy_modes)} (what that task supports)")
+        # what needs the task's or the strategy's class (their options, the privacy modes a task supports, a
+        # strategy that needs each update) is checked where the classes are resolved: components.resolve
         if self.secagg.enabled:
             chain = self.comm.codec.split("+")
             _require(len(chain) == 1 and chain[0].split(":")[0] in SECAGG_CODECS, "comm.codec",
@@ -656,17 +634,11 @@ class RunConfig:
                      "is \"auto\" with secagg.enabled, which is not supported (the server sees only the sum of the "
                      "updates, so it cannot normalise clusters' different step counts, and a cluster's step count "
                      "could reveal its data size under per-example DP)", "use a fixed local-steps")
-            from nebula_fl.strategies import strategy_class
-
-            _require(not strategy_class(self.outer.outer_optimizer).needs_individual_updates, "outer-optimizer",
-                     f"is '{self.outer.outer_optimizer}' with secure aggregation",
-                     "turn secagg.enabled off or use a mean-based optimizer (it needs each cluster's update; "
-                     "secure aggregation shows the server only their sum)")
 
     @classmethod
     def sections(cls) -> dict[str, type[Section]]:
         hints = typing.get_type_hints(cls)
-        return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "task_options"}
+        return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name not in ("task_options", "strategy_options")}
 
     @classmethod
     def known_keys(cls) -> list[str]:
@@ -677,13 +649,16 @@ class RunConfig:
         """Validate a flat run config (Flower's or ``--run-config``'s) and build the sections."""
         check_known_keys(flat)
         options = {k: v for k, v in flat.items() if k.startswith(TASK_OPTION) and k != "task.name"}
-        return cls(**{name: section.from_flat(flat) for name, section in cls.sections().items()}, task_options=options)
+        strategy = {k: v for k, v in flat.items() if k.startswith(STRATEGY_OPTION)}
+        return cls(**{name: section.from_flat(flat) for name, section in cls.sections().items()}, task_options=options,
+                   strategy_options=strategy)
 
     def to_flat(self) -> dict[str, Scalar]:
         out: dict[str, Scalar] = {}
         for name in self.sections():
             out.update(getattr(self, name).to_flat())
         out.update(self.task_options)
+        out.update(self.strategy_options)
         return out
 
     def replace(self, overrides: Mapping[str, Any]) -> RunConfig:
@@ -694,13 +669,14 @@ class RunConfig:
         return RunConfig.from_flat(flat)
 
 
-TASK_OPTION = "task."  # the chosen task's own keys: checked by RunConfig against the task's Options
+TASK_OPTION = "task."  # the chosen task's own keys: checked against the task's Options by components.resolve
+STRATEGY_OPTION = "strategy."  # the outer strategy's own keys: likewise against the strategy's Options
 
 
 def check_known_keys(flat: Mapping[str, Any]) -> None:
     known = RunConfig.known_keys()
     for key in flat:
-        if key not in known and not (isinstance(key, str) and key.startswith(TASK_OPTION)):
+        if key not in known and not (isinstance(key, str) and key.startswith((TASK_OPTION, STRATEGY_OPTION))):
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"did you mean '{close[0]}'?" if close else "see [tool.flwr.app.config] for the keys"
             raise ConfigError(f"unknown config key {_show(key)}; {hint}")

@@ -4,6 +4,7 @@ from dataclasses import FrozenInstanceError
 import pytest
 from flwr.common.config import flatten_dict
 
+from nebula_fl.components import load as load_config
 from nebula_fl.config import PRESETS, RunConfig, default_run_config
 from nebula_fl.errors import ConfigError
 from tests.conftest import REPO
@@ -17,19 +18,19 @@ def test_pyproject_mirrors_the_config_dataclasses_key_for_key():
 
 def test_flat_round_trip_is_identity():
     cfg = RunConfig().replace({"local-steps": 7, "outer-lr": 0.3, "partition": "iid"})
-    assert RunConfig.from_flat(cfg.to_flat()) == cfg
+    assert load_config(cfg.to_flat()) == cfg
     assert cfg.train.local_steps == 7 and cfg.outer.outer_lr == 0.3 and cfg.data.partition == "iid"
 
 
 def test_auto_maps_to_none_and_back():
-    cfg = RunConfig.from_flat({"outer-lr": "auto"})
+    cfg = load_config({"outer-lr": "auto"})
     assert cfg.outer.outer_lr is None
     assert cfg.to_flat()["outer-lr"] == "auto"
 
 
 def test_unknown_key_names_the_closest_known_one():
     with pytest.raises(ConfigError, match="unknown config key 'local-step'; did you mean 'local-steps'"):
-        RunConfig.from_flat({"local-step": 3})
+        load_config({"local-step": 3})
 
 
 @pytest.mark.parametrize(
@@ -48,13 +49,13 @@ def test_unknown_key_names_the_closest_known_one():
 )
 def test_bad_values_are_rejected_with_the_key_named(key, value, match):
     with pytest.raises(ConfigError, match=match) as err:
-        RunConfig.from_flat({key: value})
+        load_config({key: value})
     assert key in str(err.value)
     assert "\n" not in str(err.value)
 
 
 def test_ints_are_accepted_for_floats():
-    assert RunConfig.from_flat({"lr": 1}).train.lr == 1.0
+    assert load_config({"lr": 1}).train.lr == 1.0
 
 
 def test_presets_are_valid_configs():
@@ -71,7 +72,7 @@ def test_auto_local_steps_is_refused_with_secure_aggregation():
     # the server sees only the sum under secure aggregation, so it cannot FedNova-normalise unequal step counts
     with pytest.raises(ConfigError, match=r"'local-steps' is \"auto\" with secagg.enabled.*use a fixed local-steps") \
             as err:
-        RunConfig.from_flat({"secagg.enabled": True, "comm.codec": "randk:0.1", "local-steps": "auto"})
+        load_config({"secagg.enabled": True, "comm.codec": "randk:0.1", "local-steps": "auto"})
     assert "\n" not in str(err.value)
-    assert RunConfig.from_flat({"secagg.enabled": True, "comm.codec": "randk:0.1", "local-steps": 4}).train.local_steps == 4
-    assert RunConfig.from_flat({"local-steps": "auto"}).train.local_steps is None
+    assert load_config({"secagg.enabled": True, "comm.codec": "randk:0.1", "local-steps": 4}).train.local_steps == 4
+    assert load_config({"local-steps": "auto"}).train.local_steps is None

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from nebula_fl.cli import main
+from nebula_fl.components import resolve
 from nebula_fl.config import RunConfig
 from nebula_fl.errors import ConfigError
 
@@ -125,7 +126,7 @@ def test_every_key_outside_privacy_has_bad_values():
 def test_bad_values_are_refused_with_one_line_naming_the_key_and_value(key):
     for value in BAD[key]:
         with pytest.raises(ConfigError) as err:
-            RunConfig().replace({key: value})
+            resolve(RunConfig().replace({key: value}))
             pytest.fail(f"{key}={value!r} was accepted")
         message = str(err.value)
         assert f"'{key}'" in message or key in message, (value, message)

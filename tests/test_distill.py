@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from nebula_fl.config import PRESETS, ModelConfig, RunConfig
+from nebula_fl.components import load as load_config
+from nebula_fl.config import PRESETS, ModelConfig
 from nebula_fl.errors import ConfigError
 from nebula_fl.tasks import TaskSetup, make_task
 from nebula_fl.tasks.distill import DistillTask
@@ -164,7 +165,7 @@ def teacher_run(tiny2, tmp_path_factory):
     from nebula_fl.model.loading import build_model
     from nebula_fl.server.run_folder import RunFolder
 
-    flat = RunConfig.from_flat({"model": str(tiny2), "dataset": "bbcnews", "max-examples": 100, "seed": 3,
+    flat = load_config({"model": str(tiny2), "dataset": "bbcnews", "max-examples": 100, "seed": 3,
                                 "max-seq-len": 32}).to_flat()
     folder = RunFolder(tmp_path_factory.mktemp("runs") / "classify-run")
     folder.write_config({"run_config": flat, "federation_id": "abc"})
@@ -228,16 +229,16 @@ def test_bad_options_name_the_key(key, value):
     with pytest.raises(ConfigError, match=f"'{key}'"):
         DistillTask(options={key: value})
     with pytest.raises(ConfigError, match=f"'{key}'"):
-        RunConfig.from_flat({"task.name": "distill", key: value})
+        load_config({"task.name": "distill", key: value})
 
 
 def test_unknown_option_and_presets():
     with pytest.raises(ConfigError, match=r"did you mean 'task\.temperature'"):
-        RunConfig.from_flat({"task.name": "distill", "task.temprature": 2.0})
+        load_config({"task.name": "distill", "task.temprature": 2.0})
     for name, keys in DistillTask.presets.items():
-        cfg = RunConfig.from_flat({**PRESETS[name], **keys, "task.name": "distill"})
+        cfg = load_config({**PRESETS[name], **keys, "task.name": "distill"})
         assert cfg.task_options["task.teacher"].startswith("local:")
-    smoke = RunConfig.from_flat({**PRESETS["smoke"], **DistillTask.presets["smoke"], "task.name": "distill"})
+    smoke = load_config({**PRESETS["smoke"], **DistillTask.presets["smoke"], "task.name": "distill"})
     assert smoke.task_options["task.student-layers"] == 1 and smoke.federation.num_server_rounds == 2
     with pytest.raises(ConfigError, match=r"'privacy\.mode'"):
-        RunConfig.from_flat({"task.name": "distill", "privacy.mode": "sample", "privacy.noise-multiplier": 1.0})
+        load_config({"task.name": "distill", "privacy.mode": "sample", "privacy.noise-multiplier": 1.0})

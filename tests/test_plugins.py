@@ -20,8 +20,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 from safetensors.numpy import load_file
 
 from nebula_fl.clients.protocol import unpack
+from nebula_fl.components import load as load_config
 from nebula_fl.compression import Compressor, Layout
-from nebula_fl.config import ModelConfig, OuterConfig, RunConfig
+from nebula_fl.config import ModelConfig, OuterConfig
 from nebula_fl.errors import ConfigError
 from nebula_fl.strategies import STRATEGIES, make_strategy, strategy_class, strategy_names
 from nebula_fl.strategies.adapter_strategy import to_numpy
@@ -121,10 +122,10 @@ def test_make_strategy_builds_the_plugin_from_an_outer_config(site):
     assert twin.rng.integers(1 << 30) == s.rng.integers(1 << 30)
     with pytest.raises(ValueError, match="trim must be in"):
         cls(trim=0.5)
-    assert RunConfig.from_flat({"outer-optimizer": "trimmed-mean"}).outer.outer_optimizer == "trimmed-mean"
+    assert load_config({"outer-optimizer": "trimmed-mean"}).outer.outer_optimizer == "trimmed-mean"
     with pytest.raises(ConfigError, match=r"config key 'outer-optimizer': unknown outer optimizer 'trimed-mean'; "
                                           r"did you mean 'trimmed-mean'\? use one of fedavg, .*trimmed-mean"):
-        RunConfig.from_flat({"outer-optimizer": "trimed-mean"})
+        load_config({"outer-optimizer": "trimed-mean"})
 
 
 def test_a_strategy_that_needs_each_update_refuses_a_secure_sum(site):
@@ -135,20 +136,20 @@ def test_a_strategy_that_needs_each_update_refuses_a_secure_sum(site):
         s.apply_mean({k: np.ones_like(v) for k, v in GLOBAL.items()}, weight=20, count=2)
     # and the run config refuses the combination before anything starts
     with pytest.raises(ConfigError, match=r"outer-optimizer.*secure aggregation"):
-        RunConfig.from_flat({"outer-optimizer": "trimmed-mean", "secagg.enabled": True})
+        load_config({"outer-optimizer": "trimmed-mean", "secagg.enabled": True})
 
 
 # -- the task ---------------------------------------------------------------------------------------------------
 def test_run_config_takes_the_task_and_its_option_and_refuses_a_bad_one(site):
-    cfg = RunConfig.from_flat({"task.name": "linear-probe", "task.pooling": "cls"})
+    cfg = load_config({"task.name": "linear-probe", "task.pooling": "cls"})
     assert cfg.to_flat()["task.pooling"] == "cls" and make_task("linear-probe", cfg.task_options).options.pooling == "cls"
     assert make_task("linear-probe").options.pooling == "mean"
     with pytest.raises(ConfigError, match=r"config key 'task\.pooling' is 'max'; use 'mean' or 'cls'"):
-        RunConfig.from_flat({"task.name": "linear-probe", "task.pooling": "max"})
+        load_config({"task.name": "linear-probe", "task.pooling": "max"})
     with pytest.raises(ConfigError, match=r"unknown config key 'task\.poling'; did you mean 'task\.pooling'"):
-        RunConfig.from_flat({"task.name": "linear-probe", "task.poling": "cls"})
+        load_config({"task.name": "linear-probe", "task.poling": "cls"})
     with pytest.raises(ConfigError, match=r"privacy\.mode.*linear-probe"):
-        RunConfig.from_flat({"task.name": "linear-probe", "privacy.mode": "sample", "privacy.noise-multiplier": 1.0})
+        load_config({"task.name": "linear-probe", "privacy.mode": "sample", "privacy.noise-multiplier": 1.0})
     assert task_class("linear-probe").presets["smoke"]["lr"] > 0
 
 
@@ -216,7 +217,7 @@ def test_broken_plugins_are_refused_naming_the_plugin_and_its_package(site, tmp_
         ]
         for flat, match in cases:
             with pytest.raises(ConfigError, match=match):
-                RunConfig.from_flat(flat)
+                load_config(flat)
         assert "trimmed-mean" in strategy_names()  # the good plugins still load beside the broken ones
         assert strategy_class("trimmed-mean").__module__ == "nebula_trimmed_mean"
     finally:

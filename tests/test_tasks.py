@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from nebula_fl.config import ModelConfig, RunConfig, Section, _int
+from nebula_fl.components import load as load_config
+from nebula_fl.config import ModelConfig, Section, _int
 from nebula_fl.errors import ConfigError
 from nebula_fl.model.adapter import adapter_arrays
 from nebula_fl.tasks import TASKS, Task, TaskSetup, make_task
@@ -86,19 +87,19 @@ def test_classify_exchanges_exactly_the_peft_adapter(tiny_model):
 
 def test_task_options_are_checked_by_the_task():
     with pytest.raises(ConfigError, match=r"unknown config key 'task\.temprature'; did you mean 'task\.temperature'"):
-        RunConfig.from_flat({"task.name": "distill", "task.temprature": 2.0})
+        load_config({"task.name": "distill", "task.temprature": 2.0})
     with pytest.raises(ConfigError, match=r"task\.temperature"):
-        RunConfig.from_flat({"task.name": "distill", "task.temperature": -1.0})
+        load_config({"task.name": "distill", "task.temperature": -1.0})
     with pytest.raises(ConfigError, match=r"unknown config key 'task\.layers'"):
-        RunConfig.from_flat({"task.layers": 2})  # classify has no options
-    cfg = RunConfig.from_flat({"task.name": "mlm", "task.layers": 2})
+        load_config({"task.layers": 2})  # classify has no options
+    cfg = load_config({"task.name": "mlm", "task.layers": 2})
     assert cfg.to_flat()["task.layers"] == 2 and cfg.to_flat()["task.name"] == "mlm"
 
 
 def test_a_privacy_mode_the_task_cannot_run_is_refused():
     with pytest.raises(ConfigError, match=r"privacy\.mode.*task .mlm."):
-        RunConfig.from_flat({"task.name": "mlm", "privacy.mode": "sample", "privacy.target-epsilon": 8.0})
-    RunConfig.from_flat({"task.name": "mlm", "privacy.mode": "client", "privacy.target-epsilon": 8.0})
+        load_config({"task.name": "mlm", "privacy.mode": "sample", "privacy.target-epsilon": 8.0})
+    load_config({"task.name": "mlm", "privacy.mode": "client", "privacy.target-epsilon": 8.0})
 
 
 def test_a_plugin_class_is_checked_before_use():

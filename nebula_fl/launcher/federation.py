@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from nebula_fl.clients.protocol import request
+from nebula_fl.components import resolve
 from nebula_fl.errors import NebulaError
 from nebula_fl.launcher.plan import LaunchPlan, free_port, port_free
 from nebula_fl.launcher.processes import Managed, ProcessSet
@@ -123,7 +124,8 @@ class Federation:
         # Rounds past the checkpoint (after a crash or a rewind) are run again: show them again too.
         ckpt = self.folder.load_checkpoint() if plan.resume else None
         self.resumed_after = ckpt[0] if ckpt else 0
-        self.folder.write_config({**stored, "run_config": plan.config.to_flat(), "launcher": plan.launcher_record()})
+        self.folder.write_config({**stored, "run_config": resolve(plan.config).flat(plan.config),
+                                  "launcher": plan.launcher_record()})
         # First, so that nothing started below can outlive this process, however it ends.
         watchdog = self.procs.watchdog = Watchdog(log_path=self.logs / "watchdog.log")
         socket_dir = Path(tempfile.mkdtemp(prefix="nebula-"))

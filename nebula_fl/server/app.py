@@ -19,6 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from nebula_fl.comm.adaptive import BandwidthTracker
+from nebula_fl.components import resolve
 from nebula_fl.config import RunConfig
 from nebula_fl.errors import NebulaError
 from nebula_fl.server.evaluation import ServerEvaluator
@@ -46,7 +47,8 @@ def build_strategy(cfg: RunConfig, *, initial: dict[str, np.ndarray] | None = No
     """The outer-optimizer strategy, wrapped by compression (which also packs every message into one blob),
     by secure aggregation when it is on, and by privacy (refusals and stopped clusters; the accountant under
     client-level DP)."""
-    inner = make_strategy(cfg.outer, clusters_per_round=cfg.federation.clusters_per_round, seed=cfg.federation.seed)
+    inner = make_strategy(cfg.outer, clusters_per_round=cfg.federation.clusters_per_round, seed=cfg.federation.seed,
+                          options=cfg.strategy_options)
     profiles = [parse_profile(p.strip()) for p in cfg.comm.link_profiles.split(",") if p.strip()]
     # one profile is every cluster's link; several are clusters 0, 1, ... in order
     keyed = {"*": profiles[0]} if len(profiles) == 1 else {str(i): p for i, p in enumerate(profiles)}
@@ -105,6 +107,7 @@ def wait_for_clusters(grid: Grid, *, minimum: int, wanted: int, timeout: float) 
 class ServerRun:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
+        self.components = resolve(cfg)  # before the run folder is touched: a bad plug-in or option loses nothing
         out = cfg.federation.out_dir or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         self.folder = RunFolder(out)
         self.started = time.monotonic()
@@ -115,7 +118,7 @@ class ServerRun:
     # -- lifecycle -------------------------------------------------------------------------------
     def _open(self) -> tuple[int, dict[str, np.ndarray] | None, dict[str, Any] | None]:
         """Prepare the folder; returns (first round, checkpointed adapter, checkpointed state)."""
-        flat = self.cfg.to_flat()
+        flat = self.components.flat(self.cfg)  # every plug-in option recorded, defaults included
         existing = self.folder.read_config() if (self.folder.path / "config.json").exists() else {}
         summary = self.folder.read_summary()
         if self.cfg.federation.resume:

@@ -5,6 +5,8 @@ whose ``name`` is its entry point's name."""
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
+from typing import Any
 
 from nebula_fl.config import OuterConfig
 from nebula_fl.errors import ConfigError
@@ -43,11 +45,15 @@ def strategy_class(name: str) -> type[AdapterStrategy]:
     return STRATEGIES.get(name)
 
 
-def make_strategy(cfg: OuterConfig, *, clusters_per_round: int = 0, seed: int = 0) -> AdapterStrategy:
+def make_strategy(cfg: OuterConfig, *, clusters_per_round: int = 0, seed: int = 0,
+                  options: Mapping[str, Any] | None = None) -> AdapterStrategy:
     """The strategy for an outer-optimizer config; 'auto' values take each optimizer's defaults. Plugins get lr,
-    clusters_per_round and seed; momentum and Adam's keys go only to subclasses of those kinds."""
+    clusters_per_round, seed and their ``strategy.*`` options (only when given or declared, so a plugin with its
+    own __init__ and no options keeps working); momentum and Adam's keys go only to subclasses of those kinds."""
     cls = strategy_class(cfg.outer_optimizer)
     kwargs: dict = {"lr": cfg.outer_lr, "clusters_per_round": clusters_per_round, "seed": seed}
+    if options or cls.Options is not AdapterStrategy.Options:
+        kwargs["options"] = dict(options or {})
     if issubclass(cls, MomentumStrategy):
         kwargs["momentum"] = cfg.outer_momentum
     if issubclass(cls, AdapterAdam):

@@ -14,7 +14,7 @@ their sum. Installed packages add strategies by entry point (group ``nebula_fl.s
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any, ClassVar
@@ -25,6 +25,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from nebula_fl.comm.validation import check_arrays
+from nebula_fl.config import Section
 from nebula_fl.errors import ConfigError
 from nebula_fl.strategies.aggregation import scale_updates, step_scales, weighted_mean
 from nebula_fl.strategies.base import NebulaStrategy
@@ -46,6 +47,13 @@ def to_record(arrays: Arrays) -> ArrayRecord:
     return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in arrays.items()})
 
 
+@dataclass(kw_only=True, frozen=True)
+class NoStrategyOptions(Section):
+    """A strategy without options of its own."""
+
+    PREFIX: ClassVar[str] = "strategy"
+
+
 @dataclass
 class Contribution:
     node_id: int
@@ -63,8 +71,14 @@ class AdapterStrategy(NebulaStrategy):
     """True when ``aggregate_updates`` is more than a weighted mean: such a strategy cannot run under secure
     aggregation, where the server only ever sees the sum of a round's updates."""
 
-    def __init__(self, *, lr: float | None = None, clusters_per_round: int = 0, seed: int = 0) -> None:
+    Options: ClassVar[type[Section]] = NoStrategyOptions
+    """The strategy's own run-config keys (``strategy.*``): a config Section with PREFIX 'strategy', checked at
+    start with the same one-line errors as every other key; the parsed values are ``self.options``."""
+
+    def __init__(self, *, lr: float | None = None, clusters_per_round: int = 0, seed: int = 0,
+                 options: Mapping[str, Any] | None = None) -> None:
         super().__init__()
+        self.options = self.Options.from_flat(dict(options or {}))
         self.lr = self.default_lr if lr is None else float(lr)
         if not self.lr > 0:
             raise ValueError(f"outer learning rate must be > 0, got {self.lr}")
@@ -232,6 +246,8 @@ def check_strategy_class(cls: object, *, name: str, where: str) -> type[AdapterS
     lr = getattr(cls, "default_lr", None)
     if not (isinstance(lr, int | float) and not isinstance(lr, bool) and 0 < lr <= 10):
         raise ValueError(f"{where} has default_lr = {lr!r}; set a class default_lr in (0, 10]")
+    if not (isinstance(cls.Options, type) and issubclass(cls.Options, Section) and cls.Options.PREFIX == "strategy"):
+        raise ValueError(f"{where}'s Options must be a nebula_fl.config.Section dataclass with PREFIX = 'strategy'")
     if not isinstance(cls.needs_individual_updates, bool):
         raise ValueError(f"{where} has needs_individual_updates = {cls.needs_individual_updates!r}; use True or False")
     return cls
