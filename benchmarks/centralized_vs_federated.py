@@ -14,24 +14,21 @@ Writes results.json, a PNG and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
-from federation_runs import fresh_out, run_federation  # beside this script, first on sys.path
+from harness import fresh_out, parse_run_config, run_federation, table, write_results  # beside this script
 from rich.console import Console
-from rich.table import Table
 
-from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr, train_steps
 from nebula_fl.config import PRESETS, RunConfig
 from nebula_fl.data.datasets import train_test_split
-from nebula_fl.launcher.plan import parse_run_config
 from nebula_fl.model.batches import TokenizedTexts
 from nebula_fl.model.evaluation import evaluate
 from nebula_fl.model.loading import build_model, load_tokenizer
 from nebula_fl.model.locate import resolve_model_path
+from nebula_fl.training import BatchSchedule, scheduled_lr, train_steps
 
 GOAL_POINTS = 1.0
 
@@ -150,18 +147,17 @@ def main() -> int:
         "goal_met": bool(gap <= GOAL_POINTS),  # the federation may also beat the baseline
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_results(out, results)
     plot(results, out / "centralized_vs_federated.png")
 
-    table = Table(title=f"centralized vs federated ({args.preset}, {args.clusters} clusters, seed {args.seed})")
-    for col in ("setting", "accuracy", "macro-F1", "inner steps", "examples seen", "WAN bytes", "wall s"):
-        table.add_column(col, justify="right")
-    table.add_row("centralized (pooled data)", f"{cen['accuracy']:.4f}", f"{cen['macro_f1']:.4f}", str(cen["steps"]),
+    shown = table(f"centralized vs federated ({args.preset}, {args.clusters} clusters, seed {args.seed})",
+                  ("setting", "accuracy", "macro-F1", "inner steps", "examples seen", "WAN bytes", "wall s"))
+    shown.add_row("centralized (pooled data)", f"{cen['accuracy']:.4f}", f"{cen['macro_f1']:.4f}", str(cen["steps"]),
                   str(cen["examples_seen"]), "-", f"{cen['wall_seconds']:.0f}")
-    table.add_row("federated", f"{fed['accuracy']:.4f}", f"{fed['macro_f1']:.4f}", str(fed["steps"]),
+    shown.add_row("federated", f"{fed['accuracy']:.4f}", f"{fed['macro_f1']:.4f}", str(fed["steps"]),
                   str(fed["examples_seen"]), f"{fed['bytes_up_total'] + fed['bytes_down_total']:,}",
                   f"{fed['wall_seconds']:.0f}")
-    console.print(table)
+    console.print(shown)
     verdict = "met" if results["goal_met"] else "NOT met"
     console.print(f"gap (centralized - federated): {gap:+.2f} accuracy points; goal gap <= {GOAL_POINTS}: {verdict}")
     console.print(f"results: {out / 'results.json'}")

@@ -66,28 +66,20 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
-import sys
-import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from federation_runs import fresh_out, run_federation  # beside this script, first on sys.path
+from harness import StockFederation, fresh_out, metrics_lines, run_federation, write_results  # beside this script
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from nebula_fl.config import DataConfig, FederationConfig, ModelConfig, TrainConfig
-from nebula_fl.launcher.federation import child_env
-from nebula_fl.launcher.plan import free_port, port_free
-from nebula_fl.launcher.processes import ProcessSet
 from nebula_fl.wan.model import wan_seconds
 from nebula_fl.wan.profile import LinkProfile, parse_profile
-from nebula_fl.wan.service import query_proxy
 
 HERE = Path(__file__).resolve().parent
 STOCK_APP = HERE / "stock_flower"
@@ -438,70 +430,15 @@ def _flower_value(value: Any) -> str:
 
 def run_stock(*, mode: str, settings: Mode, args: argparse.Namespace, link: str | None, folder: Path) -> list[dict]:
     """Stock Flower: a SuperLink, per cluster a proxy (under a link) and a SuperNode, `flwr run` of the stock app."""
-    folder.mkdir(parents=True, exist_ok=True)
-    home = folder / ".flwr"
-    home.mkdir(exist_ok=True)
-    port = free_port()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "local"\n[superlink.local]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
-    )
-    env = child_env(home)
-    env["PYTHONPATH"] = f"{STOCK_APP}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    procs = ProcessSet()
-    sockets = Path(tempfile.mkdtemp(prefix="nebula-bench-"))
     try:
-        bindir = Path(sys.executable).parent
-        procs.start("superlink", [str(bindir / "flower-superlink"), "--insecure",
-                                  "--disable-runtime-dependency-installation", "--port", str(port)],
-                    log_path=folder / "superlink.log", env=env, cwd=folder)
-        _wait(lambda: not port_free(port), 60, "the SuperLink")
-        controls = []
-        for i in range(args.clusters):
-            target = port
-            if link:
-                listen, control = free_port(), sockets / f"wan-{i}.sock"
-                procs.start(f"wan-{i}", [sys.executable, "-m", "nebula_fl.wan", "--listen-port", str(listen),
-                                         "--target", f"127.0.0.1:{port}", "--profile", link, "--control", str(control)],
-                            log_path=folder / f"wan-{i}.log", env=env)
-                _wait(lambda control=control: _answers(control), 60, "a WAN proxy")
-                controls.append(control)
-                target = listen
-            procs.start(f"supernode-{i}", [str(bindir / "flower-supernode"), "--insecure", "--superlink",
-                                           f"127.0.0.1:{target}", "--port", str(free_port()), "--node-config",
-                                           f"partition-id={i} num-partitions={args.clusters}"],
-                        log_path=folder / f"supernode-{i}.log", env=env)
-        run_config = stock_run_config(mode=mode, settings=settings, args=args, folder=folder, controls=controls)
-        run = procs.start("flwr-run", [str(bindir / "flwr"), "run", str(STOCK_APP), "local", "--stream",
-                                       "--run-config", run_config],
-                          log_path=folder / "server.log", env=env, cwd=folder, expect_exit=True)
-        deadline = time.monotonic() + 6 * 3600
-        while run.alive() and time.monotonic() < deadline:
-            procs.remember_descendants()
-            if (dead := procs.first_dead_service()) is not None:
-                raise SystemExit(f"{dead.name} died; see {dead.log_path}")
-            time.sleep(0.5)
-        if not (folder / "done.json").exists():
-            raise SystemExit(f"the stock Flower run did not finish; see {folder / 'server.log'}")
-    finally:
-        procs.stop_all()
-        shutil.rmtree(sockets, ignore_errors=True)
-    return records_from_lines([json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()])
-
-
-def _answers(control: Path) -> bool:
-    try:
-        query_proxy(control, "stats")
-        return True
-    except Exception:
-        return False
-
-
-def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{what} did not come up within {timeout:.0f} s")
-        time.sleep(0.2)
+        with StockFederation(app=STOCK_APP, folder=folder, clusters=args.clusters, link=link) as fed:
+            fed.run(stock_run_config(mode=mode, settings=settings, args=args, folder=folder, controls=fed.controls))
+            fed.wait(timeout_s=6 * 3600)
+    except (RuntimeError, TimeoutError) as err:
+        raise SystemExit(str(err)) from None
+    if not (folder / "done.json").exists():
+        raise SystemExit(f"the stock Flower run did not finish; see {folder / 'server.log'}")
+    return records_from_lines(metrics_lines(folder))
 
 
 def machine(*, clusters: int) -> dict[str, Any]:
@@ -743,7 +680,7 @@ def main() -> int:
                      "adaptive_target_s": args.adaptive_target_s, "outer_optimizer": "fedavg", "poll_s": 0.2},
         "best": analysis["best"], "figures": figures, "configs": analysis["configs"], "runs": bench.runs,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_results(out, results)
     plots(bench.runs, analysis, out, titles=titles)
     console.print(config_table(analysis, titles=titles, rounds=mode.rounds))
     console.print(goals_table(results))

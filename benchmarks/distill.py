@@ -20,13 +20,12 @@ Writes results.json, distill.png (test accuracy per round of the three runs) and
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from federation_runs import fresh_out, run_federation  # beside this script, first on sys.path
+from harness import fresh_out, run_federation, write_results  # beside this script, first on sys.path
 from rich.console import Console
 from rich.table import Table
 from safetensors.numpy import load_file
@@ -185,7 +184,7 @@ def main() -> int:
         "student_bytes_share": kd["bytes_per_round"] / teacher["bytes_per_round"],
         **models, "runs": runs, "wall_seconds": time.monotonic() - started,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_results(out, results)
     plot(runs, out)
 
     table = Table(title=f"Distillation on BBC News (seed {args.seed}; kd and no-kd: same split, steps, rounds)")

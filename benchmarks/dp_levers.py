@@ -59,7 +59,6 @@ def one_setting(argv: list[str]) -> None:
     import torch
     from torch import nn
 
-    from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr
     from nebula_fl.config import DataConfig, ModelConfig
     from nebula_fl.data.datasets import cluster_shard, train_test_split
     from nebula_fl.model.batches import TokenizedTexts
@@ -67,6 +66,7 @@ def one_setting(argv: list[str]) -> None:
     from nebula_fl.model.loading import build_model, load_tokenizer
     from nebula_fl.model.locate import resolve_model_path
     from nebula_fl.privacy.sample_dp import make_private
+    from nebula_fl.training import BatchSchedule, scheduled_lr
 
     p = argparse.ArgumentParser(prog="dp_levers.py --run")
     p.add_argument("--dp", action="store_true")

@@ -36,12 +36,11 @@ from typing import Any
 
 import numpy as np
 import psutil
-from federation_runs import fresh_out  # beside this script, first on sys.path
+from harness import free_port, fresh_out, write_results  # beside this script, first on sys.path
 from rich.console import Console
 from rich.table import Table
 from safetensors.numpy import load_file
 
-from nebula_fl.launcher.plan import free_port
 from nebula_fl.server.checkpoint import parse_pointer, read_checkpoint
 from nebula_fl.server.run_folder import RunFolder
 
@@ -622,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.monotonic() - started
     result = {"scenarios": records, "all_passed": all(r["passed"] for r in records), "wall_seconds": round(wall, 1),
               "command": " ".join(sys.argv), "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
-    (root / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_results(root, result)
     console.print(table(records))
     console.print(f"all passed: {'yes' if result['all_passed'] else 'no'} | wall {wall / 60:.1f} min | "
                   f"{root / 'results.json'}")

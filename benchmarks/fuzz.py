@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness import parse_run_config  # beside this script, first on sys.path: the CLI's --run-config parser
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 from hypothesis import strategies as st
 
@@ -50,7 +51,6 @@ from nebula_fl.components import load
 from nebula_fl.compression import CodecError, Compressor, Layout, available_codecs, parse_spec
 from nebula_fl.config import RunConfig
 from nebula_fl.errors import NebulaError
-from nebula_fl.launcher.plan import parse_run_config
 from nebula_fl.secagg.evidence import json_map
 from nebula_fl.server.run_folder import RunFolder
 

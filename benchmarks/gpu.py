@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if gpus == 0:
         raise SystemExit(NO_GPU)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from federation_runs import fresh_out
+    from harness import fresh_out, write_results
     from rich.console import Console
 
     out = fresh_out(str(out))
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"benchmark": "gpu", "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)],
               "torch": torch.__version__, "budget_s": args.budget, "wall_s": round(time.monotonic() - started, 2),
               "ok": all(r["ok"] for r in results), "cases": results}
-    (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_results(out, record)
     console.print(table(results))
     console.print(f"results: {out / 'results.json'}; {record['wall_s']:.0f} s in all; "
                   + ("every case ok" if record["ok"] else

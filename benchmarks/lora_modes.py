@@ -17,11 +17,10 @@ Writes results.json (`accuracy` and `bytes_per_round` keyed by mode, then split)
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-from federation_runs import fresh_out, run_federation  # beside this script, first on sys.path
+from harness import fresh_out, run_federation, write_results  # beside this script, first on sys.path
 from rich.console import Console
 from rich.table import Table
 
@@ -80,7 +79,7 @@ def main() -> int:
     per_round = {m: {r["split"]: r["bytes_per_round"] for r in runs if r["mode"] == m} for m in modes}
     summary = {"benchmark": "lora_modes", "config": vars(args), "splits": plan, "accuracy": accuracy,
                "bytes_per_round": per_round, "runs": runs}
-    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_results(out, summary)
 
     import matplotlib
 

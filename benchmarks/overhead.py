@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
 import statistics
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from federation_runs import fresh_out, run_federation  # beside this script, first on sys.path
+from harness import fresh_out, run_federation, write_results  # beside this script, first on sys.path
 from rich.console import Console
 from rich.table import Table
 
@@ -156,7 +155,7 @@ def main() -> int:
         **{f"{key}_median": {name: f.get(key) for name, f in figures.items()} for key in UTILISATION},
         "phase_medians": figures, "runs": runs, "benchmark_seconds": time.monotonic() - started,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_results(out, results)
     plot(runs, out / "round_timeline.png")
 
     table = Table(title=f"per-phase medians over {args.rounds} rounds, {args.clusters} clusters, model {args.model} "

@@ -72,7 +72,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from federation_runs import fresh_out, run_federation  # beside this script, first on sys.path
+from harness import fresh_out, run_federation, write_results  # beside this script, first on sys.path
 from rich.console import Console
 from rich.table import Table
 
@@ -663,7 +663,7 @@ def main() -> int:
         "hetero_seconds_per_step": seconds_per_step(hetero_ref["rounds"]) if hetero_ref else None,
         "runs": per_run, "notes": notes, "benchmark_seconds": time.monotonic() - started,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_results(out, results)
     plot(runs, results, out / "overlap_timeline.png", wan=args.wan)
     console.print(runs_table(results))
     for line in targets_lines(results):

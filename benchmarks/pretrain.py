@@ -99,7 +99,6 @@ from rich.console import Console
 from rich.table import Table
 
 from nebula_fl.clients import sharding
-from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr
 from nebula_fl.comm.views import codec_seed
 from nebula_fl.compression import Compressor, Layout
 from nebula_fl.config import DataConfig, ModelConfig
@@ -108,6 +107,7 @@ from nebula_fl.devices import PARALLEL
 from nebula_fl.model.locate import resolve_model_path
 from nebula_fl.tasks.base import TaskSetup
 from nebula_fl.tasks.mlm import MaskedTexts, MLMTask
+from nebula_fl.training import BatchSchedule, scheduled_lr
 
 K = 2
 GOAL_RATIO, GOAL_GAP = 1000.0, 0.02
@@ -656,7 +656,7 @@ def main() -> int:
     sweep, follow = plan_jobs(args.outer_lr, args.only)
     threads = args.threads or default_threads()
     torch.set_num_threads(threads)
-    from federation_runs import fresh_out  # beside this script, first on sys.path
+    from harness import fresh_out, write_results  # beside this script, first on sys.path
 
     out = fresh_out(args.out)
     console = Console(highlight=False, width=150)
@@ -709,7 +709,7 @@ def main() -> int:
                    for r in runs},
         "wall_seconds": time.monotonic() - started,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_results(out, results)
     inside = f", {args.workers} x {args.parallel} per cluster" if ranks.spawned else ""
     plot(runs, out, f"MLM pre-training, {K} clusters, {plan.steps:,} inner steps each "
                     f"({plan.layers}x{plan.hidden} BERT, seq {plan.seq_len}, {device.type} {args.precision}{inside})")

@@ -25,12 +25,11 @@ Writes results.json (`gap_points` keyed by epsilon) and privacy_utility.png; pri
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
 
-from federation_runs import fresh_out, run_federation  # beside this script, first on sys.path
+from harness import fresh_out, run_federation, write_results  # beside this script, first on sys.path
 from rich.console import Console
 from rich.table import Table
 
@@ -136,7 +135,7 @@ def main() -> int:
         "goals_met": {eps: (eps in gap_points and gap_points[eps] <= goal) for eps, goal in GOALS.items()},
         "results": results,
     }
-    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_results(out, summary)
     plot(results, base, args, out)
     report(results, summary, args, console, out)
     return 0

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
-import json
 import math
 import os
 import shlex
@@ -40,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from federation_runs import fresh_out, run_federation  # beside this script, first on sys.path
+from harness import flower_env, fresh_out, run_federation, write_results  # beside this script, first on sys.path
 from rich.console import Console
 from rich.table import Table
 from safetensors import safe_open
@@ -49,7 +48,6 @@ from secagg_legacy_run import run_legacy
 import nebula_fl.server.app as server_app
 import nebula_fl.strategies.secure_aggregation as secure_strategy
 from nebula_fl.config import PRESETS, default_run_config
-from nebula_fl.launcher.federation import child_env
 from nebula_fl.strategies.base import NebulaStrategy
 
 GOALS = {"secure_over_plain": ("<=", 1.3), "legacy_over_nebula": (">", 1.0), "bytes_secure_over_plain": ("<=", 1.1),
@@ -83,7 +81,7 @@ def nebula_polling() -> dict[str, Any]:
     stage = _keyword_values(Path(secure_strategy.__file__), "poll_interval", call="exchange") or []
     return {"server_pull_s": float(passed[0]) if passed else float(default),
             "stage_pull_s": sorted({v if isinstance(v, str) else float(v) for v in stage}, key=str),
-            "superexec_task_poll_s": child_env(Path(os.devnull))[TASK_POLL_ENV],
+            "superexec_task_poll_s": flower_env(Path(os.devnull))[TASK_POLL_ENV],
             "source": "NebulaStrategy.start(poll_interval) as nebula_fl/server/app.py calls it; "
                       "nebula_fl/launcher/federation.py child_env (SUPEREXEC_POLL_S)"}
 
@@ -490,7 +488,7 @@ def main() -> None:
     res = analyse(plain, secure, legacy_sides["legacy-secure"], legacy_sides["legacy-plain"], demo=demo,
                   polling=polling, args=args, command=command, notes=notes + polling_notes)
     res["wall_s"] = time.monotonic() - started
-    (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
+    write_results(out, res)
     show(res, console)
     console.print(f"wrote {out / 'results.json'} ({res['wall_s']:.0f} s)")
 

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def load_script(name: str, path: Path):
     """A benchmark script by path: `benchmarks` is not a package here, and Opacus installs one of that name. Its
-    folder is on sys.path while it loads (scripts import federation_runs and the like from beside themselves)."""
+    folder is on sys.path while it loads (scripts import harness and the like from beside themselves)."""
     import importlib.util
 
     sys.path.insert(0, str(path.parent))

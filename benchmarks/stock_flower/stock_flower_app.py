@@ -44,7 +44,6 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr, train_steps
 from nebula_fl.config import DataConfig, ModelConfig, TrainConfig
 from nebula_fl.data.datasets import cluster_shard, train_test_split
 from nebula_fl.model.adapter import adapter_arrays, load_adapter_arrays
@@ -53,6 +52,7 @@ from nebula_fl.model.evaluation import evaluate
 from nebula_fl.model.loading import build_classifier, build_model, load_tokenizer
 from nebula_fl.model.locate import resolve_model_path
 from nebula_fl.server.wan_counters import WanCounters
+from nebula_fl.training import BatchSchedule, scheduled_lr, train_steps
 
 POLL_S = 0.2  # nebula-fl's loop polls for replies every 0.2 s (strategies/base.py); Flower's grid every 3 s
 MODES = ("full", "lora")
