@@ -36,8 +36,8 @@ def test_any_plugin_logger_reaches_the_stream_at_info_and_flower_lines_are_not_d
     flwr_log(logging.INFO, "a Flower line")  # Flower's own handler prints it
     logging.getLogger("httpx").info("HTTP Request: GET /")  # a library's routine line
     lines = out.getvalue().splitlines()
-    assert lines == ["INFO    :  [nebula_krum.scores] kept clusters 0, 1, 3",
-                     "WARNING :  [my-plugin] cluster 2 looks wrong"]
+    assert lines == ["INFO :      [nebula_krum.scores] kept clusters 0, 1, 3",
+                     "WARNING :   [my-plugin] cluster 2 looks wrong"]  # as Flower lays out its own lines
     assert route_python_logging(stream=io.StringIO()) is handler  # installed once
     assert sum(isinstance(h, RootLogHandler) for h in root.handlers) == 1
 

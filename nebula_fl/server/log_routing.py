@@ -4,7 +4,7 @@ Flower's ``flwr-serverapp`` sends what the process writes to stdout/stderr to th
 it to ``flwr run`` (the launcher writes that to ``logs/server.log``). Flower's logger has its own console
 handler; any other logger, e.g. a strategy plug-in's ``logging.getLogger(__name__)``, propagates to a root
 logger with no handler and level WARNING, so its INFO lines are lost and its warnings come out bare. One
-handler on the root logger, at INFO, prints them in Flower's format with the logger's name; Flower's own
+handler on the root logger, at INFO, prints them in Flower's layout with the logger's name; Flower's own
 records (they propagate to the root too) are left to Flower's handler, so no line is written twice.
 """
 
@@ -25,8 +25,12 @@ class RootLogHandler(logging.StreamHandler):
     def __init__(self, stream: TextIO | None = None) -> None:
         super().__init__(stream)
         self.fixed = stream is not None
-        self.setFormatter(logging.Formatter("%(levelname)-8s:  [%(name)s] %(message)s"))
+        self.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
         self.addFilter(lambda r: r.name != FLOWER and not r.name.startswith(FLOWER + "."))
+
+    def format(self, record: logging.LogRecord) -> str:
+        """Flower's console layout (`INFO :      message`, uncoloured), the message led by the logger's name."""
+        return f"{record.levelname} : {' ' * max(8 - len(record.levelname), 0)} {super().format(record)}"
 
     def emit(self, record: logging.LogRecord) -> None:
         if not self.fixed:  # sys.stdout as it is now: Flower (and pytest) may have replaced it
