@@ -89,10 +89,16 @@ def test_trimmed_mean_drops_an_outlier_cluster_where_the_mean_follows_it(site):
     # coord 2: 0 1 2 3 9 -> 2; coord 3: 0 1 2 3 40 -> 2; bias 0: -9 .1 .2 .3 .4 -> (.1+.2+.3)/3 = .2
     robust = {"lora_A": np.array([[3.0, 1.0], [2.0, 2.0]]), "head.bias": np.array([0.2, 0.0])}
     weights = [10, 10, 10, 10, 1000]  # example counts do not buy the outlier influence
-    new, metrics = _round(make_strategy(OuterConfig(outer_optimizer="trimmed-mean")), updates, weights)
+    strategy = make_strategy(OuterConfig(outer_optimizer="trimmed-mean"))
+    new, metrics = _round(strategy, updates, weights)
     for key in GLOBAL:  # outer step: lr 1.0 x the robust mean
         np.testing.assert_allclose(new[key], GLOBAL[key] + robust[key], rtol=0, atol=1e-6, err_msg=key)
-    assert metrics["clusters"] == 5
+    # the share of each cluster's 6 coordinates inside the kept range (ties count): cluster 1 is cut at coordinates
+    # 0 and 3, cluster 4 at 2 and bias 0, the outlier everywhere but bias 1, where all five tie at 0
+    assert [n["strategy"]["kept_share"] for n in strategy.round_notes().values()] == pytest.approx(
+        [4 / 6, 1, 1, 4 / 6, 1 / 6])
+    assert strategy.round_summary() == {"strategy": {"cut_per_end": 1}}
+    assert metrics["clusters"] == metrics["clusters-usable"] == 5  # each cluster's values entered some coordinate
     plain, _ = _round(make_strategy(OuterConfig(outer_optimizer="fedavg")), updates, weights)
     # the weighted mean goes where the outlier pulls: 1 + (10 * (1+2+3+4) + 1000 * 100) / 1040 = 97.25
     assert plain["lora_A"][0, 0] == pytest.approx(97.25) and new["lora_A"][0, 0] == pytest.approx(4.0)
@@ -112,16 +118,31 @@ def test_trimmed_mean_with_few_clusters_is_the_median(site):
     assert set(strategy.aggregate_updates([one, one, one], [1, 1, 1])) == {"head.bias"}
 
 
+def test_a_cluster_none_of_whose_values_is_kept_is_not_counted_as_aggregated(site):
+    # 3 clusters: the median of each coordinate is cluster 2's value, so clusters 1 and 3 entered nothing
+    updates = [{"head.bias": np.full(2, v, np.float32), "lora_A": np.full((2, 2), v, np.float32)} for v in (1, 2, 50)]
+    strategy = make_strategy(OuterConfig(outer_optimizer="trimmed-mean"))
+    new, metrics = _round(strategy, updates, [10, 10, 10])
+    np.testing.assert_allclose(new["head.bias"], GLOBAL["head.bias"] + 2.0)
+    assert metrics["clusters"] == 1 and metrics["clusters-usable"] == 3
+    assert {c: n["strategy"]["kept"] for c, n in strategy.round_notes().items()} == {
+        "node-1": False, "node-2": True, "node-3": False}
+
+
 def test_make_strategy_builds_the_plugin_from_an_outer_config(site):
     cls = strategy_class("trimmed-mean")
     s = make_strategy(OuterConfig(outer_optimizer="trimmed-mean", outer_lr=0.5), clusters_per_round=3, seed=7)
-    assert type(s) is cls and s.lr == 0.5 and s.clusters_per_round == 3 and s.trim == 0.2
+    assert type(s) is cls and s.lr == 0.5 and s.clusters_per_round == 3 and s.options.trim == 0.2
     assert make_strategy(OuterConfig(outer_optimizer="trimmed-mean")).lr == 1.0  # its default_lr, as FedAvg's
     twin = make_strategy(OuterConfig(outer_optimizer="trimmed-mean"), seed=99)
     twin.load_state_dict(s.state_dict())  # checkpoints resume under the plugin's name
     assert twin.rng.integers(1 << 30) == s.rng.integers(1 << 30)
-    with pytest.raises(ValueError, match="trim must be in"):
-        cls(trim=0.5)
+    cfg = load_config({"outer-optimizer": "trimmed-mean", "strategy.trim": 0.4})
+    assert make_strategy(cfg.outer, options=cfg.strategy_options).options.trim == 0.4
+    with pytest.raises(ConfigError, match=r"config key 'strategy\.trim' is 0\.5; use a share in \[0, 0\.5\)"):
+        load_config({"outer-optimizer": "trimmed-mean", "strategy.trim": 0.5})
+    with pytest.raises(ConfigError, match=r"unknown config key 'strategy\.trm'; did you mean 'strategy\.trim'"):
+        load_config({"outer-optimizer": "trimmed-mean", "strategy.trm": 0.1})
     assert load_config({"outer-optimizer": "trimmed-mean"}).outer.outer_optimizer == "trimmed-mean"
     with pytest.raises(ConfigError, match=r"config key 'outer-optimizer': unknown outer optimizer 'trimed-mean'; "
                                           r"did you mean 'trimmed-mean'\? use one of fedavg, .*trimmed-mean"):
@@ -233,7 +254,8 @@ def test_a_federation_runs_the_plugin_strategy_and_task_end_to_end(site, tiny_mo
     out = tmp_path / "run"
     cli = run_cli("run", "--preset", "smoke", "--task", "linear-probe", "--clusters", "3", "--port", "0",
                   "--out", str(out), "--run-config",
-                  f'model="{tiny_model}" outer-optimizer="trimmed-mean" task.pooling="cls" local-steps=8 batch-size=16 '
+                  f'model="{tiny_model}" outer-optimizer="trimmed-mean" strategy.trim=0.2 task.pooling="cls" '
+                  "local-steps=8 batch-size=16 "
                   "eval-initial=true", name="plugins")
     assert cli.wait(400) == 0, cli.output()[-4000:]
     assert cli.survivors() == []
@@ -247,7 +269,20 @@ def test_a_federation_runs_the_plugin_strategy_and_task_end_to_end(site, tiny_mo
     assert 0.0 <= summary["final_accuracy"] <= 1.0 and "accuracy" in summary["initial_evaluation"]
     config = json.loads((out / "config.json").read_text())["run_config"]
     assert config["outer-optimizer"] == "trimmed-mean" and config["task.name"] == "linear-probe"
-    assert config["task.pooling"] == "cls"
+    assert config["task.pooling"] == "cls" and config["strategy.trim"] == 0.2
+    # what the strategy recorded is in each round's line, and clusters_aggregated counts the clusters it kept
+    for line in lines:
+        kept = {cid: c["strategy"]["kept"] for cid, c in line["clusters"].items()}
+        shares = [c["strategy"]["kept_share"] for c in line["clusters"].values()]
+        assert line["strategy"] == {"cut_per_end": 1} and line["clusters_usable"] == 3
+        assert line["clusters_aggregated"] == sum(kept.values())
+        assert all(k == (s > 0) for k, s in zip(kept.values(), shares))
+        assert sum(shares) >= 1 - 1e-9  # a median per coordinate: at least one cluster's value is it
+    # its logging.getLogger(__name__) lines reached the server's log, once per round (the stream `flwr run` prints
+    # may end before the last round's lines arrive: round 1's, followed by many more, is always there)
+    server_log = (out / "logs" / "server.log").read_text()
+    assert server_log.count("[nebula_trimmed_mean] trimmed mean of 3 updates") in (1, 2), server_log[-3000:]
+    assert server_log.index("[ROUND 1/2]") < server_log.index("[nebula_trimmed_mean]") < server_log.index("[ROUND 2/2]")
     assert config["lr"] == task_class("linear-probe").presets["smoke"]["lr"]  # --preset smoke took the task's own
     # the server really trimmed: round 2's global is round 1's plus the coordinate-wise median of the three
     # updates the clusters sent (decoded from their reply caches), which is not their mean

@@ -23,6 +23,7 @@ from nebula_fl.components import resolve
 from nebula_fl.config import RunConfig
 from nebula_fl.errors import NebulaError
 from nebula_fl.server.evaluation import ServerEvaluator
+from nebula_fl.server.log_routing import route_python_logging
 from nebula_fl.server.plots import plot_metric_vs_bytes
 from nebula_fl.server.run_folder import ADAPTER, MODEL, RunFolder, plot_name
 from nebula_fl.server.tensorboard import TensorBoardLog
@@ -82,6 +83,7 @@ class Interrupted(BaseException):
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    route_python_logging()  # a plug-in's logging lines reach the server log (logs/server.log)
     cfg = RunConfig.from_flat(dict(context.run_config))
     ServerRun(cfg).run(grid)
 
@@ -275,7 +277,8 @@ class ServerRun:
             "macro_f1": evals.get("macro_f1"),
             "loss": evals.get("loss"),
             "train_loss": train.get("train-loss"),
-            "clusters_aggregated": train.get("clusters"),
+            "clusters_aggregated": train.get("clusters"),  # updates in the aggregate (a strategy may drop some)
+            "clusters_usable": train.get("clusters-usable", train.get("clusters")),  # updates that passed validation
             "update_norm": train.get("update-norm"),
             **({"steps_normalized": True, "tau_eff": train["tau-eff"]} if train.get("steps-normalized") else {}),
             "bytes_up": up,

@@ -3,16 +3,19 @@
 The server hands every metrics.jsonl round line to :class:`TensorBoardLog`, which writes each numeric
 value with ``global_step`` = the round number, under a tag grouped by what it measures:
 
-- ``eval/`` accuracy, macro_f1, loss on the held-out split; ``train/`` loss, update_norm, clusters_aggregated;
+- ``eval/`` accuracy, macro_f1, loss on the held-out split; ``train/`` loss, update_norm, clusters_aggregated,
+  clusters_usable;
 - ``bytes/`` up, down, cumulative(_up/_down) and, under ``--wan``, wan_up, wan_down, wan_requests, wan_cumulative;
 - ``time/`` round_seconds, elapsed_seconds; any other numeric top-level field lands under ``round/``;
 - ``cluster_<id>/<key>`` each cluster's numeric fields (bytes, seconds, losses, steps, ...);
+- ``strategy/<key>`` what the strategy recorded for the round, and ``strategy/<key>/cluster_<id>`` what it
+  recorded per cluster (one chart per key, a curve per cluster); here a bool (``kept``) is drawn as 0 or 1;
 - ``privacy/``, ``secagg/``, ``timeline/`` the numeric leaves of those objects, with per-cluster ones under
   ``timeline/cluster_<id>/<key>`` (and likewise for any nested ``clusters`` object): among them each cluster's
   ``busy_fraction`` and ``idle_s`` and the round's ``timeline/busy_fraction_min`` and ``timeline/idle_s_max``.
 
-Booleans, None, strings and identifiers (``*_id``, wall-clock ``*_at`` stamps) are not curves and are skipped,
-so a round without evaluation or privacy writes what it has. Each write is flushed: a run that crashes keeps
+Elsewhere booleans, None, strings and identifiers (``*_id``, wall-clock ``*_at`` stamps) are not curves and are
+skipped, so a round without evaluation or privacy writes what it has. Each write is flushed: a run that crashes keeps
 every round it logged.
 """
 
@@ -26,6 +29,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from nebula_fl.errors import NebulaError
 
+STRATEGY = "strategy"  # a round line's and each cluster's object of what the strategy recorded
 # Top-level fields of a round line and their tags; other numeric top-level fields go under "round/".
 TOP_LEVEL_TAGS = {
     "accuracy": "eval/accuracy",
@@ -34,6 +38,7 @@ TOP_LEVEL_TAGS = {
     "train_loss": "train/loss",
     "update_norm": "train/update_norm",
     "clusters_aggregated": "train/clusters_aggregated",
+    "clusters_usable": "train/clusters_usable",
     "bytes_up": "bytes/up",
     "bytes_down": "bytes/down",
     "cumulative_bytes_up": "bytes/cumulative_up",
@@ -60,10 +65,25 @@ def scalars(line: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
     for key, value in line.items():
         if key == "round":
             continue
-        if isinstance(value, Mapping):
+        if key == STRATEGY and isinstance(value, Mapping):
+            yield from _strategy(value, suffix="")
+        elif key == "clusters" and isinstance(value, Mapping):
+            for cid, fields in value.items():
+                if isinstance(fields, Mapping):
+                    yield from _leaves(f"cluster_{cid}", {k: v for k, v in fields.items() if k != STRATEGY})
+                    if isinstance(fields.get(STRATEGY), Mapping):
+                        yield from _strategy(fields[STRATEGY], suffix=f"/cluster_{cid}")
+        elif isinstance(value, Mapping):
             yield from _leaves("", {key: value})
         elif is_curve(key, value):
             yield TOP_LEVEL_TAGS.get(key, f"round/{key}"), float(value)
+
+
+def _strategy(records: Mapping[str, Any], *, suffix: str) -> Iterator[tuple[str, float]]:
+    """A strategy's records (strategies/records.py): numbers, and bools as 0/1 (kept or not is a curve)."""
+    for key, value in records.items():
+        if isinstance(value, bool) or is_curve(str(key), value):
+            yield f"{STRATEGY}/{key}{suffix}", float(value)
 
 
 def _leaves(prefix: str, tree: Mapping[str, Any]) -> Iterator[tuple[str, float]]:

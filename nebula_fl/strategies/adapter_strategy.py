@@ -8,7 +8,9 @@ different numbers of local steps (`local-steps = "auto"`) have their updates Fed
 
 A strategy may replace the average (``aggregate_updates``, e.g. a robust trimmed mean); one that needs the
 updates one by one says so (``needs_individual_updates``), since secure aggregation shows the server only
-their sum. Installed packages add strategies by entry point (group ``nebula_fl.strategies``).
+their sum. What it decided (clusters kept or dropped, their scores) it says with ``record`` and
+``record_round``: the round's line in metrics.jsonl carries it, and ``clusters_aggregated`` counts only the
+updates it kept. Installed packages add strategies by entry point (group ``nebula_fl.strategies``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from nebula_fl.config import Section
 from nebula_fl.errors import ConfigError
 from nebula_fl.strategies.aggregation import scale_updates, step_scales, weighted_mean
 from nebula_fl.strategies.base import NebulaStrategy
+from nebula_fl.strategies.records import StrategyRecords
 
 Arrays = dict[str, np.ndarray]
 
@@ -87,6 +90,9 @@ class AdapterStrategy(NebulaStrategy):
         self.clusters_per_round = clusters_per_round
         self.rng = np.random.default_rng(seed)
         self.current: Arrays | None = None
+        self.records = StrategyRecords(strategy=self.name)
+        self.round_clusters: list[str] = []
+        """The cluster id of each update ``aggregate_updates`` is given, in its order."""
 
     # -- outer optimizer -------------------------------------------------------------------------
     @abstractmethod
@@ -96,6 +102,29 @@ class AdapterStrategy(NebulaStrategy):
     def aggregate_updates(self, updates: list[Arrays], weights: list[float]) -> Arrays:
         """The one update a round's outer step consumes; by default the example-weighted mean."""
         return weighted_mean(updates, weights)
+
+    # -- what the strategy decided ---------------------------------------------------------------
+    def record(self, index: int, **values: bool | int | float | str) -> None:
+        """Record values for the cluster whose update is ``updates[index]`` in this round's
+        ``aggregate_updates``: e.g. ``record(2, kept=False, score=3.2)``. ``kept=False`` says the update was
+        left out of the aggregate (``clusters_aggregated`` counts the rest). Numbers, bools and one-line
+        strings (80 characters), under lower_snake_case keys; anything else is a ValueError naming the strategy.
+        Called outside a round (a test calling ``aggregate_updates`` directly), the cluster is named by the index."""
+        known = len(self.round_clusters)
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0 or (known and index >= known):
+            raise ValueError(f"strategy '{self.name}' recorded for update index {index!r}; this round's "
+                             f"aggregate_updates was given {known} update(s): use 0..{known - 1}")
+        self.records.add_cluster(self.round_clusters[index] if known else str(index), values)
+
+    def record_round(self, **values: bool | int | float | str) -> None:
+        """Record values for the whole round (e.g. ``record_round(trim_k=1)``), checked as ``record``'s."""
+        self.records.add_round(values)
+
+    def round_notes(self) -> dict[str, dict[str, Any]]:
+        return self.records.notes()
+
+    def round_summary(self) -> dict[str, Any]:
+        return self.records.summary()
 
     @abstractmethod
     def outer_state(self) -> dict[str, Any]: ...
@@ -128,6 +157,8 @@ class AdapterStrategy(NebulaStrategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        self.records.clear()  # a round's records describe that round only
+        self.round_clusters = []
         nodes = self.sample([n for n in grid.get_node_ids() if n not in self.directory.retired])
         self.current = to_numpy(arrays)
         round_config = ConfigRecord(dict(config))
@@ -166,17 +197,26 @@ class AdapterStrategy(NebulaStrategy):
                 node = self.node_of(reply)
                 self.rejected[node] = str(err)
                 log(WARNING, "round %d: dropped the reply of node %d: %s", server_round, node, err)
-        if not contributions or len(contributions) < self.min_updates or self.current is None:
+        usable = len(contributions)
+        if not contributions or usable < self.min_updates or self.current is None:
             # too few to move the global adapter (min-clusters): the round is skipped, nothing changes
-            return None, MetricRecord({"clusters": len(contributions)})
+            return None, MetricRecord({"clusters": 0, "clusters-usable": usable})
         weights = [c.weight for c in contributions]
         losses = [(c.weight, c.metrics.get("train-loss")) for c in contributions]
         loss = (float(sum(w * x for w, x in losses) / sum(weights))
                 if all(isinstance(x, int | float) for _, x in losses) else None)
         updates, normalization = self.normalize_steps(contributions)
+        self.round_clusters = [self.cluster_of(c) for c in contributions]
         mean = self.aggregate_updates(updates, weights)
-        return self._outer_update(mean, weight=sum(weights), count=len(contributions), train_loss=loss,
-                                  extra=normalization)
+        return self._outer_update(mean, weight=sum(weights), count=usable - self.records.dropped(),
+                                  usable=usable, train_loss=loss, extra=normalization)
+
+    def cluster_of(self, contribution: Contribution) -> str:
+        """The cluster id a contribution comes from, as the round's line names it."""
+        cid = contribution.metrics.get("cluster-id")
+        if isinstance(cid, int | float) and not isinstance(cid, bool):
+            return str(int(cid))
+        return self.directory.get(contribution.node_id) or f"node-{contribution.node_id}"
 
     @staticmethod
     def normalize_steps(contributions: list[Contribution]) -> tuple[list[Arrays], dict[str, float]]:
@@ -205,15 +245,19 @@ class AdapterStrategy(NebulaStrategy):
                               "shows the server only their sum; turn secagg.enabled off or use a mean-based optimizer")
         return self._outer_update(mean, weight=weight, count=count, train_loss=train_loss)
 
-    def _outer_update(self, mean: Arrays, *, weight: float, count: int, train_loss: float | None = None,
-                      extra: dict[str, float] | None = None) -> tuple[ArrayRecord | None, MetricRecord]:
-        if count < self.min_updates or self.current is None:
-            return None, MetricRecord({"clusters": count})
+    def _outer_update(self, mean: Arrays, *, weight: float, count: int, usable: int | None = None,
+                      train_loss: float | None = None, extra: dict[str, float] | None = None
+                      ) -> tuple[ArrayRecord | None, MetricRecord]:
+        """`count` updates went into `mean`, of `usable` (default `count`) that passed validation."""
+        usable = count if usable is None else usable
+        if usable < self.min_updates or self.current is None:
+            return None, MetricRecord({"clusters": 0, "clusters-usable": usable})
         check_arrays(expected={k: v.shape for k, v in self.current.items()}, arrays=mean, what="mean update")
         self.current = self.outer_step(self.current, mean)
         metrics = {
             WEIGHT_KEY: int(weight),
             "clusters": count,
+            "clusters-usable": usable,
             "update-norm": float(np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in mean.values()))),
         }
         if train_loss is not None:

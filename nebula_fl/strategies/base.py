@@ -174,11 +174,12 @@ class NebulaStrategy(Strategy):
             inner.note_last_round(server_round)
 
     def round_notes(self) -> dict[str, dict[str, Any]]:
-        """Per-cluster decisions of this round worth recording (e.g. an adaptive codec setting)."""
+        """Per-cluster decisions of this round worth recording (e.g. an adaptive codec setting, or what the
+        strategy recorded); a wrapper adds its own to those of the strategy it holds."""
         return {}
 
     def round_summary(self) -> dict[str, Any]:
-        """Run-level records of this round (e.g. the server's privacy accountant)."""
+        """Run-level records of this round (e.g. the server's privacy accountant, the strategy's records)."""
         return {}
 
     def exchange(
@@ -405,7 +406,8 @@ class NebulaStrategy(Strategy):
                         f"cluster {self.directory.get(n) or f'of node {n}'}: "
                         f"{self.rejected.get(n) or t.error or 'usable update'}" for n, t in traffic.items()
                     ) or "no cluster was sent the round"
-                    usable = int((train_metrics or {}).get("clusters", 0))
+                    metrics = dict(train_metrics or {})
+                    usable = int(metrics.get("clusters-usable", metrics.get("clusters", 0)))
                     skipped = (f"{usable} usable update(s), fewer than the {self.min_updates} a round needs "
                                f"(min-clusters); the global adapter stays ({reasons})")
                     log(WARNING, "round %d skipped: %s", rnd, skipped)

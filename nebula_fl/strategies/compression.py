@@ -280,7 +280,13 @@ class CompressionWrapper(NebulaStrategy):
             self.bandwidth.observe(cluster, bytes_up=t.bytes_up, seconds=seconds)
 
     def round_notes(self) -> dict[str, dict[str, Any]]:
-        return {cluster: dict(choice) for cluster, choice in self.choices.items()}
+        notes = {cid: dict(n) for cid, n in self.inner.round_notes().items()}
+        for cluster, choice in self.choices.items():
+            notes.setdefault(cluster, {}).update(choice)
+        return notes
+
+    def round_summary(self) -> dict[str, Any]:
+        return self.inner.round_summary()
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         return self.inner.configure_evaluate(server_round, arrays, config, grid)
