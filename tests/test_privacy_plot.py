@@ -83,7 +83,7 @@ def test_the_caption_says_the_unit_and_delta_in_plain_words(tmp_path):
     assert "mode" not in words
     assert fig.axes[0].get_ylabel() == "total ε so far\n(each example's influence)"
     # ε per step fell every round, so the caption explains the first round, with its share of the total
-    assert "Why round 1 cost the most (66% of each one's total ε)" in words
+    assert "Why round 1 cost the most (66% of each cluster's total ε)" in words
     assert "cluster 0's 12 steps cost 1.5× the ε of its first 3 steps" in words
     client = plot.draw(figure_of(build_report(identical_run(tmp_path / "c", clusters=3, mode="client"))))
     words = caption(client)

@@ -157,7 +157,8 @@ def first_round_note(series: Sequence[Series], *, x_name: str = "round", step: s
         return ""
     low, high = min(shares), max(shares)
     share = f"{low:.0%}" if round(low, 2) == round(high, 2) else f"{low:.0%}–{high:.0%}"
-    whose = "the total ε" if len(series) == 1 else "each one's total ε"
+    whose = ("the total ε" if len(series) == 1 else "each cluster's total ε"
+             if all(s.label.startswith("cluster ") for s in series) else "each curve's total ε")
     label, total_steps, first_steps, ratio = example
     first = f"its first {step}" if first_steps == 1 else f"its first {first_steps} {step}s"
     return (f"Why {x_name} 1 cost the most ({share} of {whose}): under composition ε grows more slowly than the "
@@ -177,13 +178,14 @@ def legend_labels(series: Sequence[Series]) -> list[str]:
 
 
 def _budgets(series: Sequence[Series]) -> list[tuple[float, str]]:
+    """Each distinct budget and whose it is ("all clusters" when every cluster has it)."""
     owners: dict[float, list[str]] = {}
     for s in series:
         if s.budget is not None and math.isfinite(s.budget):
             owners.setdefault(s.budget, []).append(s.label)
+    clusters = [s.label for s in series if s.label.startswith("cluster ")]
     out = []
     for budget, labels in sorted(owners.items()):
-        clusters = [s.label for s in series if s.label.startswith("cluster ")]
         if len(clusters) > 1 and set(clusters) <= set(labels):
             who = ", ".join(["all clusters"] + [label for label in labels if label not in clusters])
         else:
@@ -193,11 +195,12 @@ def _budgets(series: Sequence[Series]) -> list[tuple[float, str]]:
 
 
 def draw(figure: Figure) -> Any:
-    """The matplotlib figure (Agg): cumulative ε on top, ε per round below, the caption underneath."""
-    import matplotlib
+    """The matplotlib figure: cumulative ε on top, ε per round below, the caption underneath.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Built without pyplot (no global figure list, no GUI backend): ``savefig`` renders it with Agg.
+    """
+    from matplotlib import rcParams
+    from matplotlib.figure import Figure as Canvas
     from matplotlib.ticker import MaxNLocator
 
     lines = [wrapped for sentence in figure.caption if sentence
@@ -214,10 +217,10 @@ def draw(figure: Figure) -> Any:
     tick_lines = 1 + max((label.count("\n") for label in figure.tick_labels.values()), default=0)
     panels_h, head_h, foot_h = 5.6, 0.6 + 0.2 * math.ceil(entries / ncol), 0.35 + 0.17 * tick_lines
     height = panels_h + head_h + foot_h + caption_h + 0.15
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9.0, height), dpi=110, sharex=True,
-                                      gridspec_kw={"height_ratios": [3.2, 2.0], "hspace": 0.08})
+    fig = Canvas(figsize=(9.0, height), dpi=110)
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3.2, 2.0], "hspace": 0.08})
     fig.subplots_adjust(left=0.1, right=0.98, top=1 - head_h / height, bottom=(foot_h + caption_h + 0.15) / height)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = rcParams["axes.prop_cycle"].by_key()["color"]
     width = min(0.8 / n, 0.25)  # each series' bar; its points sit a little apart, close enough to read as one round
     nudge = min(0.5 / n, 0.06)
     handles, labels = [], []
@@ -237,17 +240,16 @@ def draw(figure: Figure) -> Any:
         if refused:
             top.plot(*zip(*refused, strict=True), linestyle="none", marker="x", markersize=12, markeredgewidth=2,
                      color=color)
-        bars = [(x + bar_offset, v) for x, v in zip(s.x, s.spent, strict=True) if v is not None]
+        bars = [(x + bar_offset, v, r) for x, v, r in zip(s.x, s.spent, s.refused or (False,) * len(s.x),
+                                                           strict=True) if v is not None]
         if bars:
-            xs, vs = zip(*bars, strict=True)
+            xs, vs, _ = zip(*bars, strict=True)
             bottom.bar(xs, vs, width=width * 0.9, color=color, edgecolor="black", linewidth=0.4, label=label)
-            if n * len(bars) <= 16:
-                refused_at = {x for x, r in zip(s.x, s.refused or (False,) * len(s.x), strict=True) if r}
-                for (x, v), at in zip(bars, [x for x, v in zip(s.x, s.spent, strict=True) if v is not None],
-                                      strict=True):
-                    bottom.annotate("refused" if at in refused_at else f"{v:.2g}", (x, v), textcoords="offset points",
+            if n * len(bars) <= 16:  # few enough bars to write each one's value on it
+                for x, v, r in bars:
+                    bottom.annotate("refused" if r else f"{v:.2g}", (x, v), textcoords="offset points",
                                     xytext=(0, 2), ha="center", fontsize=7)
-    if any(any(s.refused) for s in figure.series):
+    if refusals:
         handles.append(top.plot([], [], linestyle="none", marker="x", markersize=9, markeredgewidth=2,
                                 color="black")[0])
         labels.append(refused_name)
@@ -282,12 +284,9 @@ def draw(figure: Figure) -> Any:
 
 def draw_message(title: str, message: str) -> Any:
     """A figure that only says something, for a report with nothing to plot (e.g. no release yet)."""
-    import matplotlib
+    from matplotlib.figure import Figure as Canvas
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig = plt.figure(figsize=(9.0, 2.0), dpi=110)
+    fig = Canvas(figsize=(9.0, 2.0), dpi=110)
     fig.suptitle(title, fontsize=12)
     fig.text(0.5, 0.4, message, ha="center", va="center", fontsize=10)
     return fig
@@ -296,8 +295,6 @@ def draw_message(title: str, message: str) -> Any:
 def save(figure: Figure | Any, path: Path) -> None:
     """Write ``figure`` (a ``Figure`` to draw, or a drawn matplotlib one) to ``path`` as PNG, whole or not at all."""
     fig = draw(figure) if isinstance(figure, Figure) else figure
-    import matplotlib.pyplot as plt
-
     tmp = path.with_name(f".{path.stem}.tmp.png")
     try:
         fig.savefig(tmp, format="png")
@@ -305,5 +302,3 @@ def save(figure: Figure | Any, path: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    finally:
-        plt.close(fig)
