@@ -140,9 +140,12 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
 def _add_privacy_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "privacy-report",
-        help="the privacy spent by each cluster of a run: a table, privacy.json and privacy.png",
-        description="Report the (epsilon, delta) each cluster spent, round by round, as the run recorded it; "
-        "writes privacy.json and privacy.png into the run folder. Exit 1 if a final epsilon is over its budget.",
+        help="the privacy spent by each cluster of a run, or by one cluster's data: a table, privacy.json and "
+        "privacy.png",
+        description="Report the (epsilon, delta) spent, round by round: for a run folder, each cluster's as the run "
+        "recorded it; for a cluster trainer's --state-dir, its data's whole life, recomputed from its own ledger. "
+        "Prints a table and writes privacy.json and privacy.png into PATH (each whole or not at all). "
+        "Exit 1 if a final epsilon is over its budget.",
     )
     p.add_argument("run_dir", metavar="PATH",
                    help="a run folder written by nebula-fl, or a cluster trainer's --state-dir (its own ledger)")

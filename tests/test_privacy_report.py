@@ -60,12 +60,18 @@ def test_report_json_and_png(tmp_path):
     c0, c1 = report["clusters"]["0"], report["clusters"]["1"]
     assert list(report["clusters"]) == ["0", "1"]
     assert c0["final"] == {"round": 3, "epsilon": 4.5, "delta": 1e-5, "noise_multiplier": 1.1, "sample_rate": 0.01,
-                           "steps": 60, "max_grad_norm": 1.0, "accountant": "prv"}
+                           "steps_total": 60, "max_grad_norm": 1.0, "accountant": "prv"}
+    assert c0["mode"] == "sample"
+    # one meaning per key: totals so far, and what each round alone added
     assert [r["epsilon"] for r in c0["rounds"]] == [2.1, 3.4, 4.5]
-    assert [r["steps"] for r in c0["rounds"]] == [20, 40, 60]
+    assert [r["epsilon_spent"] for r in c0["rounds"]] == pytest.approx([2.1, 1.3, 1.1])
+    assert [r["steps_total"] for r in c0["rounds"]] == [20, 40, 60]
+    assert [r["steps"] for r in c0["rounds"]] == [20, 20, 20]
+    assert [r["steps"] for r in c1["rounds"]] == [20, 20, 0]  # the refused round spent nothing
+    assert [r["epsilon_spent"] for r in c1["rounds"]] == pytest.approx([3.9, 4.01, 0.0])
     assert c0["stopped_round"] is None and c0["within_budget"] and c0["refused_rounds"] == []
     assert c1["stopped_round"] == 3 and c1["stop_reason"] == REASON and c1["refused_rounds"] == [3]
-    assert c1["final"]["epsilon"] == 7.91 and c1["final"]["steps"] == 40 and c1["max_epsilon"] == 8.0
+    assert c1["final"]["epsilon"] == 7.91 and c1["final"]["steps_total"] == 40 and c1["max_epsilon"] == 8.0
     assert c1["rounds"][2]["refused"] and c1["rounds"][2]["reason"] == REASON
     assert report["client"] is None
     assert "cluster 1: final ε 7.91 within its budget ε ≤ 8; stopped at round 3" in report["verdict"]
@@ -81,14 +87,15 @@ def test_table_and_main(tmp_path):
     run = fake_run(tmp_path / "run", client=True)
     console = Console(record=True, width=200)
     assert privacy_report_main(str(run), console) == 0
-    text = console.export_text()
-    assert "cluster 0: sample-level DP (prv accountant, budget ε ≤ 8)" in text
+    text = " ".join(console.export_text().split())  # a title wraps to its table's width
+    assert "cluster 0: sample-level DP, each example's influence (prv accountant, budget ε ≤ 8)" in text
     assert "refused: cluster budget ε ≤ 8 would be exceeded" in text
     assert "client-level DP on the server" in text
     assert "privacy (ok):" in text and "wrote " in text
     report = json.loads((run / "privacy.json").read_text())
-    assert report["client"]["final"]["epsilon"] == 1.5 and report["client"]["final"]["rounds"] == 3
-    assert [r["rounds"] for r in report["client"]["rounds"]] == [1, 2, 3]
+    assert report["client"]["final"]["epsilon"] == 1.5 and report["client"]["final"]["rounds_total"] == 3
+    assert [r["rounds_total"] for r in report["client"]["rounds"]] == [1, 2, 3]
+    assert [r["rounds"] for r in report["client"]["rounds"]] == [1, 1, 1]
 
 
 def test_an_exceeded_budget_is_flagged(tmp_path):

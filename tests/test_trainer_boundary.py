@@ -113,7 +113,8 @@ def test_the_server_can_neither_weaken_the_policy_nor_replay_a_release(tmp_path,
     report = subprocess.run(nebula_cmd("privacy-report", str(tmp_path / "state")), capture_output=True, text=True,
                             timeout=120)
     assert report.returncode == 0, report.stderr
-    audit = json.loads((tmp_path / "state" / "privacy-report.json").read_text())
+    audit = json.loads((tmp_path / "state" / "privacy.json").read_text())
+    assert (tmp_path / "state" / "privacy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     client = audit["modes"]["client"]
     assert client["releases"] == 3 and client["federations"] == ["f1", "f2"]
     assert client["epsilon"] == pytest.approx(client_epsilon(3), rel=1e-6) and client["within_budget"] is True

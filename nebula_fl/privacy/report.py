@@ -5,14 +5,20 @@ It reads only what the run wrote (``metrics.jsonl`` and ``summary.json``, see
 
 Inputs, per round line of ``metrics.jsonl``:
 
-- ``clusters[cid]`` (sample-level DP, each cluster's own ledger): ``epsilon``, ``delta``,
-  ``noise_multiplier``, ``sample_rate``, ``dp_steps`` (cumulative), ``max_grad_norm``, ``accountant``,
-  optionally ``max_epsilon``, ``privacy_refused`` (bool or 0/1) and ``privacy_reason``;
+- ``clusters[cid]`` (each cluster's own lifetime ledger): ``epsilon`` and ``dp_steps`` (both totals over
+  the ledger's life), ``epsilon_federation`` (this federation's alone), ``delta``, ``noise_multiplier``,
+  ``sample_rate``, ``max_grad_norm``, ``accountant``, ``privacy_mode`` ("sample": DP-SGD steps per example;
+  "client": one noised update per round, per cluster data set), optionally ``max_epsilon``,
+  ``privacy_refused`` (bool or 0/1) and ``privacy_reason``;
 - ``privacy`` (client-level DP, the server's ledger): ``mode`` = "client", ``epsilon``, ``delta``,
   ``noise_multiplier``, ``sample_rate``, ``rounds``, ``accountant``.
 
 ``summary.json`` may hold ``privacy: {mode, max_epsilon, clusters: {cid: {stopped_round, reason,
-[max_epsilon]}}}``. Outputs: ``privacy.json`` (``build_report``'s dict) and ``privacy.png`` (ε vs round).
+[max_epsilon]}}}``. Outputs: ``privacy.json`` (``build_report``'s dict) and ``privacy.png`` (``plot.py``).
+
+Each row has one meaning per field: ``epsilon`` and ``steps_total`` are totals so far, ``epsilon_spent`` and
+``steps`` what that round alone added (None where unknown: a ledger that spent before this run's first round).
+For client-level DP a step is one noised update (``rounds`` / ``rounds_total`` on the server's rows).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from nebula_fl.errors import NebulaError
+from nebula_fl.privacy import plot
 from nebula_fl.server.run_folder import CONFIG, METRICS, SUMMARY, RunFolder, write_json
 
 REPORT_JSON = "privacy.json"
@@ -68,15 +75,47 @@ def _cluster_row(rnd: int, entry: dict[str, Any]) -> dict[str, Any]:
     return {
         "round": rnd,
         "epsilon": _number(entry.get("epsilon")),
+        "epsilon_spent": None,
         "delta": _number(entry.get("delta")),
         "noise_multiplier": _number(entry.get("noise_multiplier")),
         "sample_rate": _number(entry.get("sample_rate")),
-        "steps": _int(entry.get("dp_steps")),
+        "steps": None,
+        "steps_total": _int(entry.get("dp_steps")),
         "max_grad_norm": _number(entry.get("max_grad_norm")),
         "accountant": entry.get("accountant") if isinstance(entry.get("accountant"), str) else None,
         "refused": bool(entry.get("privacy_refused") or False),
         "reason": reason if isinstance(reason, str) else None,
+        "_federation_epsilon": _number(entry.get("epsilon_federation")),
     }
+
+
+def _fill_per_round(rows: list[dict[str, Any]], *, total: str, per_round: str) -> None:
+    """``epsilon_spent`` and ``per_round`` of each row: what it added to the previous row's totals.
+
+    The first row starts from zero unless its ``_federation_epsilon`` (this federation's ε alone) is below its
+    lifetime ε: then the ledger had spent before this run, by an amount these rows cannot tell, so it stays None.
+    """
+    before_eps: float | None = 0.0
+    before_total: int | None = 0
+    first = rows[0] if rows else None
+    if first is not None and first.get("_federation_epsilon") is not None and first["epsilon"] is not None \
+            and not math.isclose(first["_federation_epsilon"], first["epsilon"], rel_tol=1e-9, abs_tol=1e-12):
+        before_eps = before_total = None
+    for row in rows:
+        eps, count = row["epsilon"], row[total]
+        row["epsilon_spent"] = None if eps is None or before_eps is None else max(eps - before_eps, 0.0)
+        row[per_round] = None if count is None or before_total is None else max(count - before_total, 0)
+        if eps is not None:
+            before_eps = eps
+        if count is not None:
+            before_total = count
+    for row in rows:
+        row.pop("_federation_epsilon", None)
+
+
+def _mode_of(entry: dict[str, Any], fallback: str) -> str:
+    mode = entry.get("privacy_mode")
+    return mode if mode in ("sample", "client") else fallback
 
 
 def _final(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, Any]:
@@ -119,7 +158,10 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
     stopped = privacy.get("clusters") if isinstance(privacy.get("clusters"), dict) else {}
     global_budget = _number(privacy.get("max_epsilon"))
 
+    run_mode = privacy.get("mode") if privacy.get("mode") in ("sample", "client") else "client" if any(
+        isinstance(line.get("privacy"), dict) and line["privacy"].get("mode") == "client" for line in lines) else "sample"
     rows: dict[str, list[dict[str, Any]]] = {}
+    modes: dict[str, str] = {}
     budgets: dict[str, float] = {}
     client_rows: list[dict[str, Any]] = []
     for line in lines:
@@ -128,16 +170,21 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
         for cid, entry in clusters.items():
             if _is_privacy_entry(entry):
                 rows.setdefault(str(cid), []).append(_cluster_row(rnd, entry))
+                modes[str(cid)] = _mode_of(entry, run_mode)
                 if _number(entry.get("max_epsilon")) is not None:
                     budgets[str(cid)] = float(entry["max_epsilon"])
         server = line.get("privacy")
         if isinstance(server, dict) and "epsilon" in server:
             client_rows.append({
-                "round": rnd, "epsilon": _number(server.get("epsilon")), "delta": _number(server.get("delta")),
-                "noise_multiplier": _number(server.get("noise_multiplier")),
-                "sample_rate": _number(server.get("sample_rate")), "rounds": _int(server.get("rounds")),
+                "round": rnd, "epsilon": _number(server.get("epsilon")), "epsilon_spent": None,
+                "delta": _number(server.get("delta")), "noise_multiplier": _number(server.get("noise_multiplier")),
+                "sample_rate": _number(server.get("sample_rate")), "rounds": None,
+                "rounds_total": _int(server.get("rounds")),
                 "accountant": server.get("accountant") if isinstance(server.get("accountant"), str) else None,
             })
+    for cluster_rows in rows.values():
+        _fill_per_round(cluster_rows, total="steps_total", per_round="steps")
+    _fill_per_round(client_rows, total="rounds_total", per_round="rounds")
     if not rows and not client_rows:
         if privacy:
             raise NebulaError(f"run '{path}' has no privacy records yet (no round finished); "
@@ -159,24 +206,26 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
         reason = note.get("reason") if isinstance(note.get("reason"), str) else None
         if reason is None and stopped_round is not None:
             reason = next((row["reason"] for row in cluster_rows if row["round"] == stopped_round), None)
-        final = _final(cluster_rows, ("epsilon", "delta", "noise_multiplier", "sample_rate", "steps",
+        final = _final(cluster_rows, ("epsilon", "delta", "noise_multiplier", "sample_rate", "steps_total",
                                       "max_grad_norm", "accountant"))
         within = None if budget is None or final["epsilon"] is None else final["epsilon"] <= budget
         ok = ok and within is not False
-        section = {"final": final, "max_epsilon": budget, "within_budget": within, "stopped_round": stopped_round,
-                   "stop_reason": reason, "refused_rounds": refused, "rounds": cluster_rows}
+        section = {"mode": modes[cid], "final": final, "max_epsilon": budget, "within_budget": within,
+                   "stopped_round": stopped_round, "stop_reason": reason, "refused_rounds": refused,
+                   "rounds": cluster_rows}
         clusters_out[cid] = section
         verdicts.append(_verdict(cid, section))
 
     client_out = None
     if client_rows:
         client_budget = _number(privacy.get("client_max_epsilon"))
-        final = _final(client_rows, ("epsilon", "delta", "noise_multiplier", "sample_rate", "rounds", "accountant"))
+        final = _final(client_rows, ("epsilon", "delta", "noise_multiplier", "sample_rate", "rounds_total",
+                                     "accountant"))
         within = None if client_budget is None or final["epsilon"] is None else final["epsilon"] <= client_budget
         ok = ok and within is not False
         client_out = {"final": final, "max_epsilon": client_budget, "within_budget": within, "rounds": client_rows}
         eps = "-" if final["epsilon"] is None else f"{final['epsilon']:.2f}"
-        verdicts.append(f"client-level (server): final ε {eps} over {final['rounds']} rounds"
+        verdicts.append(f"client-level (server): final ε {eps} over {final['rounds_total']} rounds"
                         + ("" if client_budget is None else f", budget ε ≤ {client_budget:g}"))
 
     mode = privacy.get("mode") if isinstance(privacy.get("mode"), str) else (
@@ -187,60 +236,59 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
 
 
 # -- writing -------------------------------------------------------------------------------------
-def plot_privacy(report: dict[str, Any], path: Path) -> None:
-    """ε vs round, one line per cluster (refused rounds marked ×), a dashed line per budget; written atomically."""
-    import matplotlib
+def _series(label: str, section: dict[str, Any], *, per_round: str) -> plot.Series:
+    rows = section["rounds"]
+    return plot.Series(label=label, x=tuple(r["round"] for r in rows), epsilon=tuple(r["epsilon"] for r in rows),
+                       spent=tuple(r["epsilon_spent"] for r in rows), steps=tuple(r[per_round] for r in rows),
+                       refused=tuple(bool(r.get("refused")) for r in rows), budget=section["max_epsilon"])
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    budgets: dict[float, list[str]] = {}
-    plotted: list[tuple[int, float]] = []
-    for i, (cid, section) in enumerate(report["clusters"].items()):
-        color = colors[i % len(colors)]
-        points = [(row["round"], row["epsilon"]) for row in section["rounds"] if row["epsilon"] is not None]
-        plotted += points
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="o", color=color, label=f"cluster {cid}")
-        refused = [(row["round"], row["epsilon"]) for row in section["rounds"]
-                   if row["refused"] and row["epsilon"] is not None]
-        if refused:
-            ax.plot(*zip(*refused, strict=True), linestyle="none", marker="x", markersize=10, color=color)
-        if section["max_epsilon"] is not None and math.isfinite(section["max_epsilon"]):
-            budgets.setdefault(section["max_epsilon"], []).append(cid)
+def figure_of(report: dict[str, Any]) -> plot.Figure:
+    """The privacy figure of a run report: one series per cluster, and the server's client-level account."""
+    clusters = report["clusters"]
+    series = [_series(f"cluster {cid}", section, per_round="steps") for cid, section in clusters.items()]
     client = report.get("client")
     if client:
-        points = [(row["round"], row["epsilon"]) for row in client["rounds"] if row["epsilon"] is not None]
-        plotted += points
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="s", color="black", label="client-level (server)")
-        if client["max_epsilon"] is not None and math.isfinite(client["max_epsilon"]):
-            budgets.setdefault(client["max_epsilon"], []).append("server")
-    cluster_ids = set(report["clusters"])
-    for budget, owners in sorted(budgets.items()):
-        if len(cluster_ids) > 1 and set(owners) >= cluster_ids:
-            who = "all clusters" + (" and server" if "server" in owners else "")
-        else:
-            who = ", ".join(owner if owner == "server" else f"cluster {owner}" for owner in owners)
-        ax.axhline(budget, linestyle="--", color="grey", linewidth=1)
-        ax.annotate(f"budget ε ≤ {budget:g} ({who})", (0, budget), xycoords=("axes fraction", "data"),
-                    textcoords="offset points", xytext=(4, 3), fontsize=8, color="grey")
-    ax.set_xlabel("round")
-    ax.set_ylabel("cumulative ε")
-    shown = [eps for _, eps in plotted if math.isfinite(eps)] + list(budgets)
-    top = max(shown, default=0.0)
-    ax.set_ylim(0, 1.12 * top if top > 0 else 1.0)
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    ax.set_title(f"privacy spent (mode {report['mode']}; × = round refused)")
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(path)
+        series.append(_series("server (the aggregate)", client, per_round="rounds"))
+    modes = {section["mode"] for section in clusters.values()} | ({"client"} if client else set())
+    mode = modes.pop() if len(modes) == 1 else None
+    finals = {f"cluster {cid}": section["final"] for cid, section in clusters.items()}
+    if client:
+        finals["server"] = client["final"]
+    deltas = {final["delta"] for final in finals.values() if final["delta"] is not None}
+    accountants = {final["accountant"] for final in finals.values() if final["accountant"]}
+    caption = []
+    if mode is not None:
+        caption.append(plot.unit_sentence(mode))
+    if len(deltas) == 1:
+        caption.append(plot.delta_sentence(deltas.pop()))
+    elif deltas:
+        caption.append(f"δ (the small chance that the ε bound does not hold): "
+                       f"{plot.distinct({k: f['delta'] for k, f in finals.items()}, '.3g')}.")
+    how = (f"Counted by {plot.ACCOUNTANT.get(next(iter(accountants)), next(iter(accountants)))}"
+           if len(accountants) == 1 else "Counted by Opacus's accountants")
+    sigma = plot.distinct({k: f["noise_multiplier"] for k, f in finals.items()}, ".3g")
+    rate = plot.distinct({k: f["sample_rate"] for k, f in finals.items()}, ".3g")
+    if mode == "client":
+        sampled = ("every cluster takes part in every round (q = 1)" if rate == "1"
+                   else f"the server samples a share q = {rate} of the clusters each round")
+        caption.append(f"{how}: each round every cluster clips its update and adds Gaussian noise of σ = {sigma} "
+                       f"× the clipping norm; {sampled}.")
+    else:
+        clip = plot.distinct({k: f.get("max_grad_norm") for k, f in finals.items()}, ".3g")
+        caption.append(f"{how}: every training step clips each example's gradient to norm {clip} and adds "
+                       f"Gaussian noise of σ = {sigma} × that norm; each step draws a random share q = {rate} "
+                       "of the cluster's examples.")
+    if any(s.budget is not None for s in series):
+        caption.append("The red dashed line is the budget: a cluster refuses any round that would carry its ε past it.")
+    caption.append(plot.first_round_note(series, step="update" if mode == "client" else "step"))
+    if any(section["rounds"] and section["rounds"][0]["epsilon_spent"] is None
+           and section["rounds"][0]["epsilon"] is not None for section in clusters.values()):
+        caption.append("ε is each cluster's lifetime total: a cluster without a round-1 bar had spent privacy "
+                       "in earlier federations (`nebula-fl privacy-report STATE_DIR` on its folder lists them).")
+    unit = plot.UNIT[mode] if mode else "see each label"
+    return plot.Figure(series=tuple(series), title=f"Privacy spent by each cluster's data — {Path(report['run']).name}",
+                       caption=tuple(caption), y_unit=unit)
 
 
 def write_report(run_dir: str | Path, *, report: dict[str, Any] | None = None) -> tuple[Path, Path]:
@@ -249,7 +297,7 @@ def write_report(run_dir: str | Path, *, report: dict[str, Any] | None = None) -
     folder = Path(report["run"])
     json_path, png_path = folder / REPORT_JSON, folder / REPORT_PNG
     write_json(json_path, report)
-    plot_privacy(report, png_path)
+    plot.save(figure_of(report), png_path)
     return json_path, png_path
 
 
@@ -258,31 +306,56 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_report(console: Console, report: dict[str, Any]) -> None:
-    """A table per cluster (round, ε, δ, σ, q, cumulative steps, clip), the client-level one, and the verdict."""
+STEP_HEADERS = {"sample": ("steps", "steps total"), "client": ("updates", "updates total")}
+
+
+def table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> Table:
+    """A table whose cells are never cut short (a header's words go one a line), but for a "note" column."""
+    out = Table(title=title)
+    for i, name in enumerate(headers):
+        widest = max((len(row[i]) for row in rows), default=1)
+        out.add_column(name.replace(" ", "\n"), justify="left" if name in ("note", "federation") else "right",
+                       min_width=None if name == "note" else widest)
+    for row in rows:
+        out.add_row(*row)
+    return out
+
+
+def tables(report: dict[str, Any]) -> list[Table]:
+    """A table per cluster and the server's client-level one, one meaning per column.
+
+    "ε spent" and "steps" are what the round alone added, "ε total" and "steps total" the totals so far.
+    """
+    out = []
     for cid, section in report["clusters"].items():
-        final = section["final"]
+        final, mode = section["final"], section["mode"]
         budget = "no budget" if section["max_epsilon"] is None else f"budget ε ≤ {section['max_epsilon']:g}"
-        table = Table(title=f"cluster {cid}: sample-level DP ({final['accountant'] or '?'} accountant, {budget})")
-        for name in ("round", "ε", "δ", "σ", "q", "steps", "clip", "note"):
-            table.add_column(name, justify="left" if name == "note" else "right")
-        for row in section["rounds"]:
-            table.add_row(str(row["round"]), _fmt(row["epsilon"], ".4f"), _fmt(row["delta"], ".3g"),
-                          _fmt(row["noise_multiplier"], ".4g"), _fmt(row["sample_rate"], ".4g"),
-                          _fmt(row["steps"], "d"), _fmt(row["max_grad_norm"], ".4g"),
-                          f"refused: {row['reason'] or 'budget'}" if row["refused"] else "")
-        console.print(table)
+        steps, steps_total = STEP_HEADERS[mode]
+        notes = any(row["refused"] for row in section["rounds"])
+        headers = ("round", "ε spent", "ε total", "δ", "σ", "q", steps, steps_total, "clip") + (
+            ("note",) if notes else ())
+        rows = [(str(row["round"]), _fmt(row["epsilon_spent"], ".4f"), _fmt(row["epsilon"], ".4f"),
+                 _fmt(row["delta"], ".3g"), _fmt(row["noise_multiplier"], ".4g"), _fmt(row["sample_rate"], ".4g"),
+                 _fmt(row["steps"], "d"), _fmt(row["steps_total"], "d"), _fmt(row["max_grad_norm"], ".4g"))
+                + ((f"refused: {row['reason'] or 'budget'}" if row["refused"] else "",) if notes else ())
+                for row in section["rounds"]]
+        out.append(table(f"cluster {cid}: {mode}-level DP, {plot.UNIT[mode]} "
+                         f"({final['accountant'] or '?'} accountant, {budget})", headers, rows))
     client = report.get("client")
     if client:
         final = client["final"]
-        table = Table(title=f"client-level DP on the server ({final['accountant'] or '?'} accountant)")
-        for name in ("round", "ε", "δ", "σ", "q", "rounds"):
-            table.add_column(name, justify="right")
-        for row in client["rounds"]:
-            table.add_row(str(row["round"]), _fmt(row["epsilon"], ".4f"), _fmt(row["delta"], ".3g"),
-                          _fmt(row["noise_multiplier"], ".4g"), _fmt(row["sample_rate"], ".4g"),
-                          _fmt(row["rounds"], "d"))
-        console.print(table)
+        rows = [(str(row["round"]), _fmt(row["epsilon_spent"], ".4f"), _fmt(row["epsilon"], ".4f"),
+                 _fmt(row["delta"], ".3g"), _fmt(row["noise_multiplier"], ".4g"), _fmt(row["sample_rate"], ".4g"),
+                 _fmt(row["rounds_total"], "d")) for row in client["rounds"]]
+        out.append(table(f"client-level DP on the server, the aggregate ({final['accountant'] or '?'} accountant)",
+                         ("round", "ε spent", "ε total", "δ", "σ", "q", "rounds total"), rows))
+    return out
+
+
+def print_report(console: Console, report: dict[str, Any]) -> None:
+    """The tables, then the verdict."""
+    for each in tables(report):
+        console.print(each)
     mark = "ok" if report["ok"] else "BUDGET EXCEEDED"
     console.print(f"privacy ({mark}): {report['verdict']}")
 
