@@ -12,7 +12,8 @@ just before the inner optimizer steps (a step pre-hook on it), rather than to th
   there, since Opacus replaces each gradient with the noised sum of the clipped per-example ones. Added after, it
   is post-processing of the private gradient and of w_g (which the server sent), so it costs no privacy.
 
-Gradient descent on the FedProx objective is thus exact; the `train-loss` a round reports is the task's alone.
+Unclipped and without DP a step is exactly one on the FedProx objective; clipped or noised, only the data's
+part is. The `train-loss` a round reports is the task's alone.
 
 The anchor w_g is the global weights received with the round's message. With `round-overlap` a cluster starts a
 round from its own rebased weights (clients/overlap.py), and trains ahead before the next message arrives; the
