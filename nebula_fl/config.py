@@ -109,6 +109,7 @@ DAY_S = 24 * 3600
 MAX_EXAMPLES = 1_000_000_000
 MAX_ALPHA = 1e6
 MAX_CODEC_SPEC = 256  # compression.spec.MAX_SPEC, which parse_spec enforces with its own sentence
+MAX_PROX_MU = 1e4  # FedProx's mu: far past it, the proximal term only freezes the exchanged weights
 MAX_PARAM = 1024  # adaptive compression's ratio (<= 1), bits (4, 8) or rank (the low-rank codec's cap)
 # C0/C1 controls (NUL, newline, ...), line/paragraph separators and lone surrogates (not UTF-8): no value
 # that becomes a path, an argv entry, a TOML string or one line of an error message may hold them.
@@ -354,6 +355,10 @@ class TrainConfig(Section):
     """'constant', or 'cosine': decay from `lr` to `lr-min-ratio` x `lr` over the run's total inner steps."""
     lr_min_ratio: float = 0.1
     """Floor of the cosine schedule, as a fraction of `lr`; in [0, 1]."""
+    prox_mu: float = 0.0
+    """FedProx's proximal weight mu (Li et al. 2020): each cluster's local objective gains (mu / 2) ||w - w_g||^2,
+    w_g the global weights the round brought, so local training drifts less from the global model on skewed data
+    (clients/proximal.py). 0 turns it off; 0 to 10,000 (beyond, the weights barely move)."""
 
     @property
     def steps_cap(self) -> int:
@@ -364,6 +369,7 @@ class TrainConfig(Section):
         _require(isinstance(self.lr_schedule, str) and self.lr_schedule in LR_SCHEDULES, "lr-schedule",
                  f"is {_show(self.lr_schedule)}", f"use one of {', '.join(LR_SCHEDULES)}")
         _real("lr-min-ratio", self.lr_min_ratio, low=0, high=1, fix="use a value in [0, 1]")
+        _real("prox-mu", self.prox_mu, low=0, high=MAX_PROX_MU, fix=f"use 0 (off) or more (at most {MAX_PROX_MU:g})")
         if self.local_steps is not None:
             _int("local-steps", self.local_steps, low=1, high=1_000_000,
                  fix="use 1 or more (at most 1000000), or \"auto\"")

@@ -62,6 +62,7 @@ BAD: dict[str, list] = {
     "max-grad-norm": [-1, 1e7, *FLOAT_BAD],
     "lr-schedule": ["", "linear", "cosine\n", *TEXT_BAD],
     "lr-min-ratio": [-0.1, 1.1, *FLOAT_BAD],
+    "prox-mu": [-1e-3, 10_001, *FLOAT_BAD],
     # outer
     "outer-optimizer": ["", "sgd", "FedAvg", *TEXT_BAD],
     "outer-lr": [-1, 0, 11, *FLOAT_BAD],
@@ -101,7 +102,7 @@ EDGES: dict[str, list] = {
     "max-seq-len": [8, 512], "lora-r": [1, 1024], "lora-alpha": [65_536], "lora-dropout": [0, 0.999],
     "lora-target-modules": ["query", "attention.self.query,dense"],
     "lora-mode": ["standard", "frozen-a"], "local-steps": [1_000_000], "batch-size": [65_536],
-    "lr": [1e-12, 10], "weight-decay": [0, 10], "max-grad-norm": [0, 1e6], "lr-min-ratio": [0, 1],
+    "lr": [1e-12, 10], "weight-decay": [0, 10], "max-grad-norm": [0, 1e6], "lr-min-ratio": [0, 1], "prox-mu": [0, 1e4],
     "outer-lr": ["auto", 10], "outer-momentum": ["auto", 0, 0.999], "outer-beta1": [0], "outer-beta2": [0.9999],
     "outer-eps": [1e-300, 1], "comm.codec": ["none", "topk:0.05+int8", "lowrank:1024"], "comm.codec-down": ["same"],
     "comm.target-seconds": [86_400], "comm.param-min": [0.25], "comm.param-max": [1024],

@@ -85,7 +85,8 @@ def train_steps(
     """Run up to `steps` optimizer steps (step i at learning rate `lr_at(i)`) on the task's loss (`loss_fn`, a
     Task's ``loss``), fewer when `keep_going(steps done)` says stop (a time budget); returns this worker's loss
     per step. With `precision` 'bf16' the forward and loss run under autocast; weights, gradients and the
-    optimizer stay fp32, so what a cluster exchanges is fp32 whatever it trains in."""
+    optimizer stay fp32, so what a cluster exchanges is fp32 whatever it trains in. A `prox-mu` term rides on
+    `optimizer` as a step pre-hook (``clients/proximal.py``): its gradient joins after the clipping below."""
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     losses = []

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from nebula_fl.clients.exchange import Exchange, privatize_update
 from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr, train_steps
 from nebula_fl.clients.overlap import Ahead, ahead_usable, busy, rebased, steps_ahead, steps_on_arrival
+from nebula_fl.clients.proximal import ProximalTerm, attach
 from nebula_fl.clients.reply_cache import FEDERATION_ID
 from nebula_fl.clients.sharding import load_optimizer_state, local_optimizer_state, wrap
 from nebula_fl.clients.snapshots import SnapshotStore
@@ -43,6 +44,7 @@ from nebula_fl.errors import NebulaError
 from nebula_fl.privacy.dp_recipe import learning_rate, logical_batch
 from nebula_fl.privacy.policy import Admission
 from nebula_fl.tasks import Task, TaskSetup, make_task
+from nebula_fl.tasks.base import GlobalWeights
 
 Arrays = dict[str, np.ndarray]
 
@@ -75,6 +77,7 @@ class ClusterTrainer:
         self.tokenizer = None
         self.anchor: Arrays | None = None  # overlapped rounds: the weights right after the last send
         self.ahead = Ahead()  # trained since the last send, not yet sent
+        self.proximal: ProximalTerm | None = None  # `prox-mu` > 0: the pull toward the last global received
         self.last_config: dict[str, Any] | None = None  # the last round sent, and its train section parsed
         self.last_train: TrainConfig | None = None
         self.last_admission: Admission | None = None
@@ -115,6 +118,11 @@ class ClusterTrainer:
         after = self.task.exchanged(self.model_core)
         base = self.anchor if self.anchor is not None else global_arrays
         update = {k: (after[k] - np.asarray(base[k], dtype=np.float32)).astype(np.float32) for k in after}
+        prox_metrics = {} if self.proximal is None else {
+            "prox-mu": self.proximal.mu,  # and the term's value at the round's end, (mu / 2) ||w - w_g||^2
+            "prox-term": 0.5 * self.proximal.mu * sum(
+                float(np.sum((after[k].astype(np.float64) - np.asarray(global_arrays[k], dtype=np.float64)) ** 2))
+                for k in after)}
         if train_cfg.round_overlap:  # the progress just measured, kept on the new global (clients/overlap.py)
             self.anchor = rebased(global_arrays, update)
             self.task.load_exchanged(self.model_core, self.anchor)
@@ -155,6 +163,7 @@ class ClusterTrainer:
             metrics["codec-up"] = self.up.describe()["spec"]
             metrics["update-bytes"] = int(out["blob"].size) if "blob" in out else 0
         metrics.update(privacy_metrics)
+        metrics.update(prox_metrics)
         return out, metrics
 
     # -- training ahead (overlapped rounds) --------------------------------------------------------
@@ -192,6 +201,7 @@ class ClusterTrainer:
         """Set up (once per federation), restore the state before this round, load the global arrays (overlapped,
         keep this cluster's own weights when what it trained ahead belongs to this round)."""
         error = None
+        self.proximal = None
         try:
             train_cfg = TrainConfig.from_flat(config)
             self.setup(config, admission)
@@ -215,10 +225,20 @@ class ClusterTrainer:
                 self.anchor = None  # overlap carries progress over one round only: further, start from the global
             if self.ahead.steps == 0:  # else the model holds the anchor plus what was trained ahead
                 self.task.load_exchanged(self.model_core, global_arrays if self.anchor is None else self.anchor)
+            self.task.begin_round(self.model_core, global_weights=GlobalWeights(global_arrays, device=self.ctx.device))
+            if train_cfg.prox_mu > 0:  # FedProx: pulled toward what this message brought (clients/proximal.py)
+                self.proximal = self._proximal_term(global_arrays, mu=train_cfg.prox_mu)
         except (NebulaError, ValueError, KeyError) as err:
             error = str(err) or type(err).__name__
         self.agree(error)
         return train_cfg, global_arrays, view
+
+    def _proximal_term(self, global_arrays: Arrays, *, mu: float) -> ProximalTerm:
+        try:
+            return ProximalTerm(params=self.task.exchanged_parameters(self.model_core), anchor=global_arrays, mu=mu)
+        except ValueError as err:
+            raise RequestError(f"cluster {self.ctx.cluster_id} cannot apply prox-mu = {mu:g} to task "
+                               f"'{self.task.name}': {err}") from None
 
     def _train(self, server_round: int, train_cfg: TrainConfig, admission: Admission | None, *, first: int,
                count: int, seconds: float | None = None) -> list[float]:
@@ -348,6 +368,8 @@ class ClusterTrainer:
             self.model = wrap(self.model_core, parallel=self.ctx.parallel, device=self.ctx.device, world=self.ctx.world)
             params = [p for p in self.model.parameters() if p.requires_grad]
             self.optimizer = torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
+        # every inner step adds the round's proximal gradient, if any, just before the update (clients/proximal.py)
+        attach(self.optimizer, lambda: self.proximal)
         self.initial_optimizer_state = copy.deepcopy(self.optimizer.state_dict())
         order = np.random.default_rng([self.seed, self.ctx.cluster_id]).permutation(len(self.labels))
         mine = np.sort(order[self.ctx.rank :: self.ctx.world])

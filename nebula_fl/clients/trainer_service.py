@@ -46,7 +46,7 @@ MAX_FRAME = 1 << 31
 LOCK_FILE = "trainer.lock"
 LOCK_WAIT_S = 30.0  # how long a trainer waits for the one before it on its state folder to stop
 # Metrics computed from the private data and not covered by the DP guarantee: never sent under DP.
-DATA_DEPENDENT = ("train-loss", "update-norm-before-clip", "clipped", "rank-divergence")
+DATA_DEPENDENT = ("train-loss", "update-norm-before-clip", "clipped", "rank-divergence", "prox-term")
 # Under secure aggregation a reply says in the clear only this, each harmless to say: the server learns the sum of
 # the updates and weights, and nothing computed from one cluster's data or size.
 IN_THE_CLEAR = {
@@ -58,6 +58,7 @@ IN_THE_CLEAR = {
     "precision": "the cluster's hardware choice (bf16 autocast or fp32), not its data",
     "parallel": "the cluster's hardware, not its data",
     "codec-up": "the codec the server asked for",
+    "prox-mu": "the proximal weight the server asked for",
     "update-bytes": "fixed by the codec and the adapter's size",
     "privacy-mode": "the operator's policy mode",
     "noise-multiplier": "σ: the request's, or the operator's floor",

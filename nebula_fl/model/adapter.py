@@ -28,6 +28,28 @@ def adapter_arrays(model: PeftModel) -> Arrays:
             if k not in fixed}
 
 
+def adapter_parameters(model: PeftModel) -> dict[str, torch.nn.Parameter]:
+    """The trainable parameters behind the exchanged adapter tensors, keyed as ``adapter_arrays`` keys them.
+
+    PEFT renames parameters in its state dict (drops the adapter name, folds ``modules_to_save``); its tensors
+    share the parameters' storage, so each key is matched to the parameter it is a view of, whatever PEFT's
+    naming. Sharded by FSDP, both are DTensors and their local shards share storage. A key with no trainable
+    parameter behind it is left out (the caller checks)."""
+    by_storage = {_storage(p): p for p in model.parameters() if p.requires_grad}
+    fixed = frozen_keys(model)
+    found = {k: by_storage.get(_storage(v)) for k, v in get_peft_model_state_dict(model).items() if k not in fixed}
+    return {k: p for k, p in found.items() if p is not None}
+
+
+def _storage(tensor: torch.Tensor) -> tuple:
+    """Where a tensor's (local) data lives and how it is laid out: equal for a parameter and its detached views. An
+    empty local shard (more ranks than rows) may match another of its shape: harmless, it holds nothing."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.data_ptr(), tuple(local.shape), tuple(local.stride()), tuple(tensor.shape)
+
+
 def load_adapter_arrays(model: PeftModel, arrays: Mapping[str, np.ndarray]) -> None:
     """Set the model's adapter to `arrays`, which must match its keys and shapes exactly."""
     check_arrays(expected=adapter_shapes(model), arrays=arrays, what="adapter")

@@ -58,7 +58,9 @@ def make_strategy(cfg: OuterConfig, *, clusters_per_round: int = 0, seed: int = 
         kwargs["momentum"] = cfg.outer_momentum
     if issubclass(cls, AdapterAdam):
         kwargs.update(beta1=cfg.outer_beta1, beta2=cfg.outer_beta2, eps=cfg.outer_eps)
-    return cls(**kwargs)
+    strategy = cls(**kwargs)
+    strategy.checked_client_config()  # a plugin asking clusters for what it may not: refused before any connects
+    return strategy
 
 
 __all__ = ["BUILTIN_STRATEGIES", "STRATEGIES", "AdapterStrategy", "make_strategy", "strategy_class", "strategy_names"]

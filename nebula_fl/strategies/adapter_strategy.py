@@ -10,7 +10,9 @@ A strategy may replace the average (``aggregate_updates``, e.g. a robust trimmed
 updates one by one says so (``needs_individual_updates``), since secure aggregation shows the server only
 their sum. What it decided (clusters kept or dropped, their scores) it says with ``record`` and
 ``record_round``: the round's line in metrics.jsonl carries it, and ``clusters_aggregated`` counts only the
-updates it kept. Installed packages add strategies by entry point (group ``nebula_fl.strategies``).
+updates it kept. One whose algorithm has a client side declares the options it needs (``client_config``, e.g.
+FedProx's `prox-mu`), merged into every round's config. Installed packages add strategies by entry point (group
+``nebula_fl.strategies``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from nebula_fl.comm.validation import check_arrays
-from nebula_fl.config import Section
+from nebula_fl.config import Section, TrainConfig
 from nebula_fl.errors import ConfigError
 from nebula_fl.strategies.aggregation import scale_updates, step_scales, weighted_mean
 from nebula_fl.strategies.base import NebulaStrategy
@@ -40,6 +42,11 @@ CONFIG_KEY = "config"  # server -> cluster: the round's config
 UPDATE_KEY = "update"  # cluster -> server: adapter after local training minus the global adapter
 METRICS_KEY = "metrics"  # cluster -> server: num-examples, train-loss, steps, seconds, cluster-id
 WEIGHT_KEY = "num-examples"
+# What a strategy's client_config may set: run-config keys that shape only the clusters' inner optimisation. Not
+# local-steps, max-local-steps, round-seconds, round-overlap (the server, secure aggregation and privacy budgets plan
+# rounds with the run's values), not batch-size (the floor of the per-example-DP logical batch, so of its sampling
+# rate), never privacy.*.
+CLIENT_OPTIONS = ("prox-mu", "lr", "weight-decay", "max-grad-norm", "lr-schedule", "lr-min-ratio")
 
 
 def to_numpy(record: ArrayRecord) -> Arrays:
@@ -94,6 +101,23 @@ class AdapterStrategy(NebulaStrategy):
         self.round_clusters: list[str] = []
         """The cluster id of each update ``aggregate_updates`` is given, in its order."""
 
+    # -- client side -----------------------------------------------------------------------------
+    def client_config(self) -> dict[str, int | float | str | bool]:
+        """Run-config keys the clusters must train with for this algorithm, merged into every round's config over
+        the run's own values: FedProx returns ``{"prox-mu": mu}``. Default: nothing.
+
+        Keys are limited to ``CLIENT_OPTIONS``, the inner optimisation's (checked when the strategy is built and
+        each round: a one-line ConfigError naming the strategy and the key). Privacy keys are refused: what a
+        cluster releases is set by the run's privacy.* keys and, above them, by its operator's policy, never by
+        an optimisation algorithm. This check keeps honest plug-ins honest; against a malicious server, which can
+        send any config, each cluster's privacy gate is the guard, and a proximal term changes only how it
+        optimises, never what it releases or under what guarantee."""
+        return {}
+
+    def checked_client_config(self) -> dict[str, int | float | str | bool]:
+        """``client_config()``, validated: known client options only, values within their run-config bounds."""
+        return check_client_config(self.client_config(), strategy=self.name)
+
     # -- outer optimizer -------------------------------------------------------------------------
     @abstractmethod
     def outer_step(self, params: Arrays, delta: Arrays) -> Arrays:
@@ -144,6 +168,8 @@ class AdapterStrategy(NebulaStrategy):
     # -- Flower's contract -----------------------------------------------------------------------
     def summary(self) -> None:
         log(INFO, "\t├──> %s outer optimizer, lr %s", self.name, self.lr)
+        if extra := self.checked_client_config():
+            log(INFO, "\t├──> sent to every cluster: %s", ", ".join(f"{k}={v}" for k, v in sorted(extra.items())))
         log(INFO, "\t└──> clusters per round: %s", self.clusters_per_round or "all")
 
     def sample(self, node_ids: list[int]) -> list[int]:
@@ -161,7 +187,7 @@ class AdapterStrategy(NebulaStrategy):
         self.round_clusters = []
         nodes = self.sample([n for n in grid.get_node_ids() if n not in self.directory.retired])
         self.current = to_numpy(arrays)
-        round_config = ConfigRecord(dict(config))
+        round_config = ConfigRecord({**dict(config), **self.checked_client_config()})
         round_config["server-round"] = server_round
         content = RecordDict({ARRAYS_KEY: arrays, CONFIG_KEY: round_config})
         log(INFO, "configure_train: %d cluster(s) sampled", len(nodes))
@@ -273,6 +299,25 @@ class AdapterStrategy(NebulaStrategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return None
+
+
+def check_client_config(options: object, *, strategy: str) -> dict[str, int | float | str | bool]:
+    """A strategy's client options as a plain dict, or a one-line ConfigError naming the strategy and the key."""
+    where = f"strategy '{strategy}' client_config()"
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"{where} returned {type(options).__name__}, not a dict of run-config keys; fix the plugin")
+    for key in options:
+        if not isinstance(key, str) or key.startswith("privacy"):
+            raise ConfigError(f"{where} sets {key!r}: a strategy may not change privacy settings (the run's privacy.* "
+                              "keys and each cluster's own policy decide them); drop it from the plugin")
+        if key not in CLIENT_OPTIONS:
+            raise ConfigError(f"{where} sets {key!r}, which is not a client-side training option; use only "
+                              f"{', '.join(CLIENT_OPTIONS)}")
+    try:
+        TrainConfig.from_flat(options)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    return dict(options)
 
 
 def check_strategy_class(cls: object, *, name: str, where: str) -> type[AdapterStrategy]:

@@ -77,6 +77,7 @@ class Task(ABC):
 
     def __init__(self, *, options: Mapping[str, Any] | None = None) -> None:
         self.options = self.Options.from_flat(dict(options or {}))
+        self.global_weights: Mapping[str, torch.Tensor] = {}  # the round's, from ``begin_round``
 
     # -- the model -----------------------------------------------------------------------------------
     @abstractmethod
@@ -97,7 +98,21 @@ class Task(ABC):
 
     @abstractmethod
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The mean training loss of one batch."""
+        """The mean training loss of one batch. The round's global weights are ``self.global_weights``
+        (``begin_round``), for a loss that needs an anchor."""
+
+    def begin_round(self, model: nn.Module, *, global_weights: Mapping[str, torch.Tensor]) -> None:
+        """Called on every rank when a round's message arrives, before its local training: `global_weights` are
+        the exchanged tensors as the round brought them, keyed as ``exchanged`` keys them (full float32 tensors on
+        the worker's device, detached, made on first access: unread, they cost no memory). They anchor a
+        proximal or SCAFFOLD-style term in ``loss``; the default keeps them as ``self.global_weights``. The
+        model already holds the weights training starts from: the global ones, or under `round-overlap` the
+        cluster's own rebased weights, and the steps it trains ahead of the next message keep this anchor.
+
+        Under per-example DP (`privacy.mode = "sample"`) Opacus trains with a cross-entropy of its own and
+        ``loss`` is not called. FedProx needs none of this: `prox-mu` adds its term for any task
+        (``clients/proximal.py``)."""
+        self.global_weights = global_weights
 
     @abstractmethod
     def evaluate(self, model: nn.Module, data: Examples, *, batch_size: int) -> dict[str, float]:
@@ -115,6 +130,16 @@ class Task(ABC):
             return adapter_arrays(model)
         return {k: whole(p.detach()).cpu().float().numpy().copy() for k, p in model.named_parameters()
                 if p.requires_grad}
+
+    def exchanged_parameters(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        """The trainable parameters behind the exchanged tensors, keyed as ``exchanged`` keys them (the parameters
+        themselves: this rank's shards under FSDP). `prox-mu` pulls these toward the round's global weights; a task
+        that overrides ``exchanged`` overrides this too, or the trainer refuses `prox-mu` > 0 for it."""
+        if self.exchange == "adapter":
+            from nebula_fl.model.adapter import adapter_parameters
+
+            return adapter_parameters(model)
+        return {k: p for k, p in model.named_parameters() if p.requires_grad}
 
     def load_exchanged(self, model: nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
         """Set the exchanged tensors to `arrays` (exact keys and shapes, checked)."""
@@ -142,6 +167,27 @@ class Task(ABC):
 
     def describe(self) -> dict[str, Any]:
         return {"task": self.name, "exchange": self.exchange, "metric": self.metric, **self.options.to_flat()}
+
+
+class GlobalWeights(Mapping[str, torch.Tensor]):
+    """A round's received arrays as torch tensors on one device, each copied there when first read (a task that
+    never reads them, or reads one layer, does not hold a second copy of a large model on every worker)."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], *, device: torch.device) -> None:
+        self._arrays, self._device = arrays, device
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._tensors:
+            tensor = torch.tensor(np.asarray(self._arrays[key]), dtype=torch.float32, device=self._device)
+            self._tensors[key] = tensor.requires_grad_(False)
+        return self._tensors[key]
+
+    def __iter__(self):
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
 
 
 def check_task_class(cls: object, *, name: str, where: str) -> type[Task]:
