@@ -8,16 +8,17 @@ different numbers of local steps (`local-steps = "auto"`) have their updates Fed
 
 A strategy may replace the average (``aggregate_updates``, e.g. a robust trimmed mean); one that needs the
 updates one by one says so (``needs_individual_updates``), since secure aggregation shows the server only
-their sum. Installed packages add strategies by entry point (group ``nebula_fl.strategies``).
+their sum. Installed packages add strategies by entry point (group ``nebula_fl.strategies``): a subclass of
+this class, or one of Flower's own Message-API strategies, which ``strategies/flower.py`` wraps.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from logging import INFO, WARNING
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -29,6 +30,9 @@ from nebula_fl.config import Section
 from nebula_fl.errors import ConfigError
 from nebula_fl.strategies.aggregation import scale_updates, step_scales, weighted_mean
 from nebula_fl.strategies.base import NebulaStrategy
+
+if TYPE_CHECKING:
+    from nebula_fl.config import RunConfig
 
 Arrays = dict[str, np.ndarray]
 
@@ -96,6 +100,23 @@ class AdapterStrategy(NebulaStrategy):
     def aggregate_updates(self, updates: list[Arrays], weights: list[float]) -> Arrays:
         """The one update a round's outer step consumes; by default the example-weighted mean."""
         return weighted_mean(updates, weights)
+
+    def step(self, params: Arrays, mean: Arrays, *, weight: float,
+             contributions: list[Contribution] | None) -> Arrays | None:
+        """The next global adapter, or None when the strategy declines the round (it is skipped). `contributions`
+        are the round's updates one by one (FedNova-normalised), None under secure aggregation, which shows only
+        their mean; by default the outer step on the mean. A strategy that reads more than the mean (Flower's
+        own, wrapped) overrides this."""
+        return self.outer_step(params, mean)
+
+    def client_config(self) -> dict[str, Any]:
+        """Keys merged into every round's config sent to the clusters (e.g. FedProx's proximal term); none here."""
+        return {}
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig) -> None:
+        """Refuse, with a ConfigError naming the key, a run config this strategy cannot serve; called by
+        ``components.resolve`` after the ``strategy.*`` options parsed. Nothing to check here."""
 
     @abstractmethod
     def outer_state(self) -> dict[str, Any]: ...
@@ -176,7 +197,8 @@ class AdapterStrategy(NebulaStrategy):
         updates, normalization = self.normalize_steps(contributions)
         mean = self.aggregate_updates(updates, weights)
         return self._outer_update(mean, weight=sum(weights), count=len(contributions), train_loss=loss,
-                                  extra=normalization)
+                                  extra=normalization,
+                                  contributions=[replace(c, update=u) for c, u in zip(contributions, updates, strict=True)])
 
     @staticmethod
     def normalize_steps(contributions: list[Contribution]) -> tuple[list[Arrays], dict[str, float]]:
@@ -206,11 +228,15 @@ class AdapterStrategy(NebulaStrategy):
         return self._outer_update(mean, weight=weight, count=count, train_loss=train_loss)
 
     def _outer_update(self, mean: Arrays, *, weight: float, count: int, train_loss: float | None = None,
-                      extra: dict[str, float] | None = None) -> tuple[ArrayRecord | None, MetricRecord]:
+                      extra: dict[str, float] | None = None, contributions: list[Contribution] | None = None
+                      ) -> tuple[ArrayRecord | None, MetricRecord]:
         if count < self.min_updates or self.current is None:
             return None, MetricRecord({"clusters": count})
         check_arrays(expected={k: v.shape for k, v in self.current.items()}, arrays=mean, what="mean update")
-        self.current = self.outer_step(self.current, mean)
+        stepped = self.step(self.current, mean, weight=weight, contributions=contributions)
+        if stepped is None:
+            return None, MetricRecord({"clusters": count})
+        self.current = stepped
         metrics = {
             WEIGHT_KEY: int(weight),
             "clusters": count,
@@ -235,9 +261,16 @@ def check_strategy_class(cls: object, *, name: str, where: str) -> type[AdapterS
     """A loaded plugin is a usable AdapterStrategy subclass registered under its own name, or a ValueError why."""
     import inspect
 
+    from flwr.serverapp.strategy import Strategy
+
+    if isinstance(cls, type) and issubclass(cls, Strategy) and not issubclass(cls, NebulaStrategy):
+        from nebula_fl.strategies.flower import flower_outer  # a Flower Message-API strategy: wrapped as is
+
+        return flower_outer(cls, name=name, where=where)
     if not (isinstance(cls, type) and issubclass(cls, AdapterStrategy)):
         raise ValueError(f"{where} is {cls!r}, not a subclass of "
-                         "nebula_fl.strategies.adapter_strategy.AdapterStrategy; fix the plugin")
+                         "nebula_fl.strategies.adapter_strategy.AdapterStrategy or of Flower's "
+                         "flwr.serverapp.strategy.Strategy; fix the plugin")
     if inspect.isabstract(cls):
         raise ValueError(f"{where} does not implement {sorted(cls.__abstractmethods__)}; fix the plugin")
     if getattr(cls, "name", None) != name:
