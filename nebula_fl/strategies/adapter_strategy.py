@@ -196,9 +196,9 @@ class AdapterStrategy(NebulaStrategy):
                 if all(isinstance(x, int | float) for _, x in losses) else None)
         updates, normalization = self.normalize_steps(contributions)
         mean = self.aggregate_updates(updates, weights)
+        normalized = [replace(c, update=u) for c, u in zip(contributions, updates, strict=True)]
         return self._outer_update(mean, weight=sum(weights), count=len(contributions), train_loss=loss,
-                                  extra=normalization,
-                                  contributions=[replace(c, update=u) for c, u in zip(contributions, updates, strict=True)])
+                                  extra=normalization, contributions=normalized)
 
     @staticmethod
     def normalize_steps(contributions: list[Contribution]) -> tuple[list[Arrays], dict[str, float]]:
@@ -258,7 +258,8 @@ class AdapterStrategy(NebulaStrategy):
 
 
 def check_strategy_class(cls: object, *, name: str, where: str) -> type[AdapterStrategy]:
-    """A loaded plugin is a usable AdapterStrategy subclass registered under its own name, or a ValueError why."""
+    """A loaded plugin is a usable AdapterStrategy subclass registered under its own name, or a Flower Message-API
+    strategy class (returned wrapped, named by its entry point), or a ValueError why."""
     import inspect
 
     from flwr.serverapp.strategy import Strategy
