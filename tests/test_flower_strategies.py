@@ -269,24 +269,30 @@ def test_a_plugin_may_register_a_flower_strategy_class_and_it_is_wrapped(tmp_pat
 
 
 # -- end to end ---------------------------------------------------------------------------------------------------
-def test_a_federation_runs_flowers_fedyogi(tiny_model, run_cli, tmp_path):
+def test_a_federation_runs_flowers_fedyogi_with_and_without_secure_aggregation(tiny_model, run_cli, tmp_path):
     from safetensors.numpy import load_file
 
     from tests.test_e2e import smoke_args
 
-    out = tmp_path / "run"
-    cli = run_cli(*smoke_args(tiny_model, out, "--outer-optimizer", "flwr:FedYogi"), name="flwr")
-    assert cli.wait(300) == 0, cli.output()[-4000:]
-    assert cli.survivors() == []
-    assert "outer optimizer flwr:FedYogi: Flower's FedYogi (strategy.eta=0.01" in (out / "logs" / "server.log").read_text()
-    g1, g2 = (load_file(str(out / "checkpoint" / f"round-0000{r}" / "adapter.safetensors")) for r in (1, 2))
-    assert any(not np.array_equal(g1[k], g2[k]) for k in g1)  # the global adapter moved
-    state = json.loads((out / "checkpoint" / "round-00002" / "state.json").read_text())["state"]["strategy"]
-    while "inner" in state:
-        state = state["inner"]
-    assert state["name"] == "flwr:FedYogi" and set(state["outer"]) >= {"m_t", "v_t", "current_arrays"}
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["rounds_completed"] == 2
+    plain, secure = tmp_path / "plain", tmp_path / "secure"
+    args = ("--clusters", "3", "--outer-optimizer", "flwr:FedYogi")
+    a = run_cli(*smoke_args(tiny_model, plain, *args), name="flwr")
+    b = run_cli(*smoke_args(tiny_model, secure, *args, "--secure-aggregation"), name="flwr-secure")
+    assert a.wait(500) == 0, a.output()[-4000:]
+    assert b.wait(500) == 0, b.output()[-4000:]
+    assert a.survivors() == [] and b.survivors() == []
+    for out in (plain, secure):
+        assert "outer optimizer flwr:FedYogi: Flower's FedYogi (strategy.eta=0.01" in (out / "logs" / "server.log").read_text()
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["rounds_completed"] == 2 and not summary["skipped_rounds"]
+        g1, g2 = (load_file(str(out / "checkpoint" / f"round-0000{r}" / "adapter.safetensors")) for r in (1, 2))
+        assert any(not np.array_equal(g1[k], g2[k]) for k in g1)  # the global adapter moved
+        state = json.loads((out / "checkpoint" / "round-00002" / "state.json").read_text())["state"]["strategy"]
+        while "inner" in state:
+            state = state["inner"]
+        assert state["name"] == "flwr:FedYogi" and set(state["outer"]) >= {"m_t", "v_t", "current_arrays"}
+    lines = [json.loads(x) for x in (secure / "metrics.jsonl").read_text().splitlines()]
+    assert [x["secagg"]["unmasked_round"] for x in lines] == [1, 2]  # the server saw only sums, and used them
 
 
 def test_replies_reach_the_strategy_in_cluster_order_whatever_order_they_arrived_in():
