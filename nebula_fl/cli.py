@@ -50,7 +50,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    "(default: the machine's cores shared evenly by every worker)")
     p.add_argument("--task", help="what to train: classify (default), mlm (pre-training), distill, or an installed "
                    "plugin's name (sets task.name; --preset then adds the task's own preset)")
-    p.add_argument("--outer-optimizer", help=f"server optimizer: {', '.join(OUTER_OPTIMIZERS)} or an installed plugin's")
+    p.add_argument("--outer-optimizer", help=f"server optimizer: {', '.join(OUTER_OPTIMIZERS)}, flwr:<Class> (one of "
+                   "Flower's strategies, e.g. flwr:FedYogi; its options as strategy.* keys) or an installed plugin's")
     p.add_argument("--partition", help="iid or dirichlet:ALPHA")
     p.add_argument("--seed", type=int, help="seed of split, partition, init and training")
     p.add_argument("--out", help="run folder (default: runs/<preset>-<time>)")

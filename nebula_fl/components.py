@@ -76,6 +76,7 @@ def resolve(cfg: RunConfig) -> Components:
     except ConfigError as err:
         raise ConfigError(f"config key 'outer-optimizer': {err}") from None
     check_options(strategy.Options, cfg.strategy_options, owner=f"outer optimizer '{cfg.outer.outer_optimizer}'")
+    strategy.check_config(cfg)
     if cfg.secagg.enabled:
         _require(not strategy.needs_individual_updates, "outer-optimizer",
                  f"is '{cfg.outer.outer_optimizer}' with secure aggregation",

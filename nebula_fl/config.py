@@ -392,11 +392,12 @@ class OuterConfig(Section):
     a plugin strategy aggregates otherwise)."""
 
     outer_optimizer: str = "fedavg"
-    """'fedavg', 'fedavgm' (heavy-ball momentum), 'nesterov' (DiLoCo), 'adam' (FedAdam), or an installed plugin's
-    name (entry-point group ``nebula_fl.strategies``)."""
+    """'fedavg', 'fedavgm' (heavy-ball momentum), 'nesterov' (DiLoCo), 'adam' (FedAdam), 'flwr:<Class>' (one of
+    Flower's own strategies, e.g. 'flwr:FedYogi', with its constructor arguments as strategy.* keys), or an
+    installed plugin's name (entry-point group ``nebula_fl.strategies``)."""
     outer_lr: float | None = None
     """Outer learning rate; auto = fedavg 1.0, fedavgm 1.0, nesterov 0.7, adam 0.01, a plugin's default_lr; > 0,
-    at most 10."""
+    at most 10. Must stay auto with a 'flwr:<Class>' optimizer (its own rate is a strategy.* key, e.g. eta)."""
     outer_momentum: float | None = None
     """Momentum of fedavgm and nesterov; auto = 0.9; in [0, 1)."""
     outer_beta1: float = 0.9

@@ -1,6 +1,7 @@
-"""Message-API strategies that aggregate adapter updates; one outer optimizer per file. More come from the
-entry-point group ``nebula_fl.strategies`` (see ``nebula_fl/plugins.py``): a subclass of ``AdapterStrategy``
-whose ``name`` is its entry point's name."""
+"""Message-API strategies that aggregate adapter updates; one outer optimizer per file. Flower's own strategies
+are named ``flwr:<Class>`` (``strategies/flower.py`` wraps them). More come from the entry-point group
+``nebula_fl.strategies`` (see ``nebula_fl/plugins.py``): a subclass of ``AdapterStrategy`` whose ``name`` is its
+entry point's name, or a Flower Message-API strategy class, wrapped the same way."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from nebula_fl.strategies.adam import AdapterAdam
 from nebula_fl.strategies.adapter_strategy import AdapterStrategy, check_strategy_class
 from nebula_fl.strategies.fedavg import AdapterFedAvg
 from nebula_fl.strategies.fedavgm import AdapterFedAvgM
+from nebula_fl.strategies.flower import PREFIX as FLOWER_PREFIX
+from nebula_fl.strategies.flower import flower_names, flower_strategy_class
 from nebula_fl.strategies.momentum import MomentumStrategy
 from nebula_fl.strategies.nesterov import AdapterNesterov
 
@@ -36,12 +39,15 @@ def strategy_class(name: str) -> type[AdapterStrategy]:
     list; a plugin that does not load or is not a strategy is named with its package."""
     if name in BUILTIN_STRATEGIES:  # no entry-point scan for the common case
         return BUILTIN_STRATEGIES[name]
+    if name.startswith(FLOWER_PREFIX):
+        return flower_strategy_class(name)
     known = strategy_names()
     if name not in known:
-        close = difflib.get_close_matches(name, known, n=1)
+        close = difflib.get_close_matches(name, [*known, *flower_names()], n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
-        raise ConfigError(f"unknown outer optimizer '{name}'; {hint}use one of {', '.join(known)} (or install a "
-                          f"plugin package declaring it in the entry-point group '{STRATEGIES.group}')")
+        raise ConfigError(f"unknown outer optimizer '{name}'; {hint}use one of {', '.join(known)}, one of Flower's "
+                          f"as flwr:<Class> (e.g. flwr:FedYogi), or install a plugin package declaring it in the "
+                          f"entry-point group '{STRATEGIES.group}'")
     return STRATEGIES.get(name)
 
 

@@ -12,16 +12,17 @@ their sum. What it decided (clusters kept or dropped, their scores) it says with
 ``record_round``: the round's line in metrics.jsonl carries it, and ``clusters_aggregated`` counts only the
 updates it kept. One whose algorithm has a client side declares the options it needs (``client_config``, e.g.
 FedProx's `prox-mu`), merged into every round's config. Installed packages add strategies by entry point (group
-``nebula_fl.strategies``).
+``nebula_fl.strategies``): a subclass of this class, or one of Flower's own Message-API strategies, which
+``strategies/flower.py`` wraps.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from logging import INFO, WARNING
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -34,6 +35,9 @@ from nebula_fl.errors import ConfigError
 from nebula_fl.strategies.aggregation import scale_updates, step_scales, weighted_mean
 from nebula_fl.strategies.base import NebulaStrategy
 from nebula_fl.strategies.records import StrategyRecords
+
+if TYPE_CHECKING:
+    from nebula_fl.config import RunConfig
 
 Arrays = dict[str, np.ndarray]
 
@@ -150,6 +154,19 @@ class AdapterStrategy(NebulaStrategy):
     def round_summary(self) -> dict[str, Any]:
         return self.records.summary()
 
+    def step(self, params: Arrays, mean: Arrays, *, weight: float,
+             contributions: list[Contribution] | None) -> Arrays | None:
+        """The next global adapter, or None when the strategy declines the round (it is skipped). `contributions`
+        are the round's updates one by one (FedNova-normalised), None under secure aggregation, which shows only
+        their mean; by default the outer step on the mean. A strategy that reads more than the mean (Flower's
+        own, wrapped) overrides this."""
+        return self.outer_step(params, mean)
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig) -> None:
+        """Refuse, with a ConfigError naming the key, a run config this strategy cannot serve; called by
+        ``components.resolve`` after the ``strategy.*`` options parsed. Nothing to check here."""
+
     @abstractmethod
     def outer_state(self) -> dict[str, Any]: ...
 
@@ -234,8 +251,9 @@ class AdapterStrategy(NebulaStrategy):
         updates, normalization = self.normalize_steps(contributions)
         self.round_clusters = [self.cluster_of(c) for c in contributions]
         mean = self.aggregate_updates(updates, weights)
+        normalized = [replace(c, update=u) for c, u in zip(contributions, updates, strict=True)]
         return self._outer_update(mean, weight=sum(weights), count=usable - self.records.dropped(),
-                                  usable=usable, train_loss=loss, extra=normalization)
+                                  usable=usable, train_loss=loss, extra=normalization, contributions=normalized)
 
     def cluster_of(self, contribution: Contribution) -> str:
         """The cluster id a contribution comes from, as the round's line names it."""
@@ -272,14 +290,17 @@ class AdapterStrategy(NebulaStrategy):
         return self._outer_update(mean, weight=weight, count=count, train_loss=train_loss)
 
     def _outer_update(self, mean: Arrays, *, weight: float, count: int, usable: int | None = None,
-                      train_loss: float | None = None, extra: dict[str, float] | None = None
-                      ) -> tuple[ArrayRecord | None, MetricRecord]:
+                      train_loss: float | None = None, extra: dict[str, float] | None = None,
+                      contributions: list[Contribution] | None = None) -> tuple[ArrayRecord | None, MetricRecord]:
         """`count` updates went into `mean`, of `usable` (default `count`) that passed validation."""
         usable = count if usable is None else usable
         if usable < self.min_updates or self.current is None:
             return None, MetricRecord({"clusters": 0, "clusters-usable": usable})
         check_arrays(expected={k: v.shape for k, v in self.current.items()}, arrays=mean, what="mean update")
-        self.current = self.outer_step(self.current, mean)
+        stepped = self.step(self.current, mean, weight=weight, contributions=contributions)
+        if stepped is None:  # the strategy declined the round (e.g. too few updates for Bulyan): it is skipped
+            return None, MetricRecord({"clusters": 0, "clusters-usable": usable})
+        self.current = stepped
         metrics = {
             WEIGHT_KEY: int(weight),
             "clusters": count,
@@ -321,12 +342,20 @@ def check_client_config(options: object, *, strategy: str) -> dict[str, int | fl
 
 
 def check_strategy_class(cls: object, *, name: str, where: str) -> type[AdapterStrategy]:
-    """A loaded plugin is a usable AdapterStrategy subclass registered under its own name, or a ValueError why."""
+    """A loaded plugin is a usable AdapterStrategy subclass registered under its own name, or a Flower Message-API
+    strategy class (returned wrapped, named by its entry point), or a ValueError why."""
     import inspect
 
+    from flwr.serverapp.strategy import Strategy
+
+    if isinstance(cls, type) and issubclass(cls, Strategy) and not issubclass(cls, NebulaStrategy):
+        from nebula_fl.strategies.flower import flower_outer  # a Flower Message-API strategy: wrapped as is
+
+        return flower_outer(cls, name=name, where=where)
     if not (isinstance(cls, type) and issubclass(cls, AdapterStrategy)):
         raise ValueError(f"{where} is {cls!r}, not a subclass of "
-                         "nebula_fl.strategies.adapter_strategy.AdapterStrategy; fix the plugin")
+                         "nebula_fl.strategies.adapter_strategy.AdapterStrategy or of Flower's "
+                         "flwr.serverapp.strategy.Strategy; fix the plugin")
     if inspect.isabstract(cls):
         raise ValueError(f"{where} does not implement {sorted(cls.__abstractmethods__)}; fix the plugin")
     if getattr(cls, "name", None) != name:
