@@ -106,7 +106,7 @@ def test_a_federation_trains_the_regression_task_and_reports_the_mean_baseline(s
     cli = run_cli("run", "--task", "text-regression", "--preset", "smoke", "--clusters", "2", "--port", "0",
                   "--out", str(out), "--run-config", f'model="{tiny_model}" eval-initial=true local-steps=6 lr=0.01',
                   name="regression")
-    assert cli.wait(400) == 0, cli.output()[-4000:]
+    assert cli.wait(600) == 0, cli.output()[-4000:]
     assert cli.survivors() == []
     summary = json.loads((out / "summary.json").read_text())
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -127,5 +127,5 @@ def test_a_federation_trains_the_regression_task_and_reports_the_mean_baseline(s
     assert lines[-1]["rmse"] < summary["initial_evaluation"]["rmse"]
     assert lines[-1]["rmse"] < 1.1 * lines[-1]["rmse_of_mean"]
     adapter = load_file(str(out / "adapter.safetensors"))
-    assert adapter["base_model.model.head.modules_to_save.default.weight"].shape == (1, 32)  # one output
+    assert adapter["base_model.model.head.weight"].shape == (1, 32)  # one output
     assert (out / "rmse_vs_bytes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
