@@ -39,7 +39,6 @@ from nebula_fl.model.locate import resolve_model_path
 from nebula_fl.model.teacher import load_run_teacher
 from nebula_fl.server.run_folder import ADAPTER
 from nebula_fl.tasks import TaskSetup, make_task
-from nebula_fl.tasks.classify import head_width
 
 
 def plan(quick: bool) -> dict:
@@ -105,7 +104,7 @@ def compare_models(teacher_run: dict, kd_run: dict, *, args, job: dict, console:
     checks = {  # the models loaded here are the ones the runs evaluated
         "teacher_accuracy_here": evaluate(teacher.model, data, batch_size=32, num_classes=len(test.label_names))[
             "accuracy"],
-        "student_accuracy_here": evaluate(student, data, batch_size=32, num_classes=head_width(student))["accuracy"],
+        "student_accuracy_here": evaluate(student, data, batch_size=32)["accuracy"],
     }
     n = len(data) // 32 if not job["timing_batches"] else min(job["timing_batches"], len(data) // 32)
     batches = [data.batch(range(i * 32, (i + 1) * 32)) for i in range(max(n, 1))]

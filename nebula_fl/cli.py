@@ -136,6 +136,9 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
     data.add_argument("--seed", type=int, default=0, help="the federation's seed (as on the server)")
     data.add_argument("--test-fraction", type=float, default=0.2, help="held out for the server (as on the server)")
     data.add_argument("--max-examples", type=int, default=0, help="dataset cap (as on the server)")
+    data.add_argument("--targets", choices=("classes", "values"), default="classes",
+                      help="what the label column holds, as the run's task says (Task.targets): class names, or "
+                      "numbers for a task that predicts values")
 
 
 def _add_privacy_report(sub: argparse._SubParsersAction) -> None:
@@ -259,11 +262,12 @@ def _trainer(args: argparse.Namespace) -> int:
     if (args.data is None) == (args.dataset is None):
         raise NebulaError("the trainer needs exactly one of --data (this cluster's own) or --dataset (a shared one)")
     if args.data is not None:
-        shard = load_dataset(args.data)
+        shard = load_dataset(args.data, targets=args.targets)
     else:
         cfg = DataConfig(dataset=args.dataset, partition=args.partition, test_fraction=args.test_fraction,
                          max_examples=args.max_examples)
-        shard = cluster_shard(cfg, seed=args.seed, cluster_id=args.cluster_id, num_clusters=args.num_clusters)
+        shard = cluster_shard(cfg, seed=args.seed, cluster_id=args.cluster_id, num_clusters=args.num_clusters,
+                              targets=args.targets)
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.workers))
     policy = _privacy_policy(args)
     opts = TrainerOptions(

@@ -302,8 +302,15 @@ def test_a_federation_runs_the_plugin_strategy_and_task_end_to_end(site, tiny_mo
     while "inner" in state:  # the wrappers (privacy, compression) hold the outer strategy's state
         state = state["inner"]
     assert state["name"] == "trimmed-mean" and state["lr"] == 1.0
-    # only the head crossed the WAN: the saved model is the head, and an update is its bytes plus framing
-    head = load_file(str(out / "model.safetensors"))
-    assert sorted(head) == ["head.bias", "head.weight"]
-    head_bytes = sum(v.nbytes for v in head.values())
+    # the final file is the whole model: the frozen encoder as built from the model folder, the head as trained
+    model = load_file(str(out / "model.safetensors"))
+    probe = task_class("linear-probe")(options={"task.pooling": "cls"}).build_model(
+        TaskSetup(model=ModelConfig(model=str(tiny_model)), labels=["x"] * 5, seed=0, path=tiny_model))
+    assert set(model) == set(probe.state_dict()) and any(k.startswith("encoder.") for k in model)
+    for key, value in probe.encoder.state_dict().items():
+        np.testing.assert_array_equal(model[f"encoder.{key}"], value.numpy(), err_msg=key)  # never sent, never changed
+    for key in g2:
+        np.testing.assert_array_equal(model[key], g2[key], err_msg=key)
+    # only the head crossed the WAN: an update is its bytes plus framing
+    head_bytes = sum(v.nbytes for v in g2.values())
     assert head_bytes < lines[0]["clusters"]["0"]["bytes_up"] < head_bytes + 4000

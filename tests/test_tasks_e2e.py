@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from nebula_fl.tasks import make_task
+from nebula_fl.config import ModelConfig
+from nebula_fl.model.locate import resolve_model_path
+from nebula_fl.tasks import TaskSetup, make_task
 
 
 def _run(run_cli, tmp_path, task: str, *extra: str):
@@ -36,9 +39,20 @@ def test_mlm_pretrains_every_weight_across_two_clusters(run_cli, tmp_path):
         assert math.isfinite(line["perplexity"]) and 1 < line["perplexity"] < vocab
         assert math.exp(line["loss"]) == pytest.approx(line["perplexity"], rel=1e-4)
     assert lines[-1]["loss"] < lines[0]["loss"] or lines[-1]["train_loss"] < lines[0]["train_loss"]
-    model = load_file(str(out / "model.safetensors"))  # every weight crossed the WAN, not an adapter
-    params = sum(v.size for v in model.values())
+    model = load_file(str(out / "model.safetensors"))  # the whole model, not an adapter
     assert any("embeddings.word_embeddings" in k for k in model) and not any("lora_" in k for k in model)
+    # every tensor of the model the run's config builds, the exchanged ones equal to the last round's global
+    config = json.loads((out / "config.json").read_text())["run_config"]
+    task = make_task("mlm", {k: v for k, v in config.items() if k.startswith("task.") and k != "task.name"})
+    path = resolve_model_path(config["model"])
+    built = task.build_model(TaskSetup(model=ModelConfig.from_flat(config), labels=[], seed=config["seed"], path=path))
+    assert set(model) == set(built.state_dict())
+    final = load_file(str(out / "checkpoint" / f"round-{summary['num_server_rounds']:05d}" / "adapter.safetensors"))
+    assert set(final) == set(task.exchanged(built)) and set(final) < set(model)  # the tied decoder is never sent
+    for key, value in final.items():
+        np.testing.assert_array_equal(model[key], value, err_msg=key)
+    np.testing.assert_array_equal(model["cls.predictions.decoder.weight"], model["bert.embeddings.word_embeddings.weight"])
+    params = sum(v.size for v in final.values())
     assert params > vocab * preset.get("task.hidden", 64)
     sent = lines[0]["clusters"]["0"]["bytes_up"]
     codec = preset.get("comm.codec", "none")

@@ -43,7 +43,7 @@ from nebula_fl.devices import DP_REFUSED, resolve_precision
 from nebula_fl.errors import NebulaError
 from nebula_fl.privacy.dp_recipe import learning_rate, logical_batch
 from nebula_fl.privacy.policy import Admission
-from nebula_fl.tasks import Task, TaskSetup, make_task
+from nebula_fl.tasks import Task, TaskSetup, make_task, task_class
 from nebula_fl.tasks.base import GlobalWeights
 
 Arrays = dict[str, np.ndarray]
@@ -325,6 +325,12 @@ class ClusterTrainer:
                           train_cfg.batch_size, self.logical_batch, task_name, options], sort_keys=True)
         if key == self.setup_key:
             return
+        targets = task_class(task_name).targets
+        if self.ctx.shard.targets != targets:
+            raise RequestError(
+                f"cluster {self.ctx.cluster_id} read its labels as {self.ctx.shard.targets}, but task '{task_name}' "
+                f"predicts {targets}; restart its trainer with --targets {targets}"
+            )
         names = self.ctx.shard.label_names
         unknown = [n for n in names if n not in labels]
         if unknown:
@@ -344,8 +350,11 @@ class ClusterTrainer:
         if admission.mode not in self.task.privacy_modes:
             raise RequestError(f"task '{task_name}' does not support privacy mode '{admission.mode}' "
                                f"(it supports {', '.join(self.task.privacy_modes)})")
-        remap = np.array([labels.index(n) for n in names], dtype=np.int64)
-        self.labels = remap[self.ctx.shard.labels]
+        if targets == "values":
+            self.labels = np.asarray(self.ctx.shard.labels, dtype=np.float32)
+        else:
+            remap = np.array([labels.index(n) for n in names], dtype=np.int64)
+            self.labels = remap[self.ctx.shard.labels]
         self.federation_id = federation_id
         self.snapshots = SnapshotStore(self.ctx.state_dir / "snapshots" / federation_id)
         self.seed = int(config["seed"])

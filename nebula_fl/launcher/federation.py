@@ -203,7 +203,7 @@ class Federation:
                 "--model", cfg.model.model, "--state-dir", str(self._state_dir(i)),
                 "--dataset", cfg.data.dataset, "--num-clusters", str(plan.clusters), "--partition", cfg.data.partition,
                 "--seed", str(cfg.federation.seed), "--test-fraction", str(cfg.data.test_fraction),
-                "--max-examples", str(cfg.data.max_examples),
+                "--max-examples", str(cfg.data.max_examples), "--targets", resolve(cfg).task.targets,
                 *(["--slowdown", f"{plan.slowdown_per_cluster[i]:g}"] if plan.slowdown_per_cluster else []),
                 *(["--precision", plan.precisions[i]] if plan.precisions else []),
                 *(["--parallel", plan.parallel[i]] if plan.parallel else []),

@@ -304,10 +304,10 @@ def _default_out(preset: str) -> Path:
 
 def _check(plan: LaunchPlan) -> None:
     cfg = plan.config
-    resolve(cfg)  # the task, the strategy and their options: refused here, before anything starts
+    task = resolve(cfg).task  # the task, the strategy and their options: refused here, before anything starts
     resolve_model_path(cfg.model.model)
     resolve_dataset_path(cfg.data.dataset)
-    parts = plan_partition(cfg.data, seed=cfg.federation.seed, num_clusters=plan.clusters)
+    parts = plan_partition(cfg.data, seed=cfg.federation.seed, num_clusters=plan.clusters, targets=task.targets)
     for i, (part, workers) in enumerate(zip(parts, plan.workers, strict=True)):
         if len(part) < workers:
             raise NebulaError(

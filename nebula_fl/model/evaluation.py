@@ -24,8 +24,10 @@ def macro_f1(y_true: np.ndarray, y_pred: np.ndarray, *, num_classes: int) -> flo
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: TokenizedTexts, *, batch_size: int, num_classes: int) -> dict[str, float]:
-    """Evaluate in eval mode (no dropout), restoring the model's mode afterwards."""
+def evaluate(model: nn.Module, data: TokenizedTexts, *, batch_size: int, num_classes: int | None = None
+             ) -> dict[str, float]:
+    """Evaluate in eval mode (no dropout), restoring the model's mode afterwards. The classes are the logits'
+    columns unless `num_classes` says otherwise: any model that returns (batch, classes) logits will do."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -36,11 +38,12 @@ def evaluate(model: nn.Module, data: TokenizedTexts, *, batch_size: int, num_cla
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
             losses.append(nn.functional.cross_entropy(logits, batch["labels"], reduction="sum").item())
             preds.append(logits.argmax(dim=-1).cpu().numpy())
+            num_classes = num_classes or int(logits.shape[-1])
     finally:
         model.train(was_training)
     y_pred = np.concatenate(preds)
     return {
         "accuracy": float((y_pred == data.labels).mean()),
-        "macro_f1": macro_f1(data.labels, y_pred, num_classes=num_classes),
+        "macro_f1": macro_f1(data.labels, y_pred, num_classes=int(num_classes or 0)),
         "loss": float(np.sum(losses) / len(data)),
     }

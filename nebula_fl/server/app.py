@@ -194,6 +194,7 @@ class ServerRun:
         evaluator = ServerEvaluator(cfg)
         log(INFO, "server evaluation on %s", evaluator.device)
         self.metric = evaluator.task.metric
+        self.higher_is_better = evaluator.task.higher_is_better
         initial = evaluator.initial_adapter()
         self.strategy = build_strategy(cfg, initial=initial)
         self.wan = WanCounters.from_config(cfg.comm.wan_control)
@@ -231,8 +232,10 @@ class ServerRun:
             on_round_aggregated=self._measure_round,
         )
         final = self.folder.load_checkpoint()
-        if final is not None:
-            self.folder.save_adapter(final[1], name=MODEL if evaluator.task.exchange == "full" else ADAPTER)
+        if final is not None and evaluator.task.exchange == "full":  # the whole model, the exchanged weights set
+            self.folder.save_adapter(evaluator.whole_model(final[1]), name=MODEL)
+        elif final is not None:
+            self.folder.save_adapter(final[1], name=ADAPTER)
         if self.strategy.stop_reason:
             self.folder.update_summary(stopped_early=self.strategy.stop_reason)
         self._finish("completed")
@@ -327,6 +330,14 @@ class ServerRun:
             line.get(self.metric) or 0.0, line["loss"] or 0.0, up, down, outcome.seconds,
             utilisation_note(line["timeline"]))
 
+    def _best(self, rounds: list[dict[str, Any]]) -> float | None:
+        """The best headline metric of any round, by the task's own direction (lowest RMSE, highest accuracy)."""
+        metric = getattr(self, "metric", "accuracy")
+        seen = [r[metric] for r in rounds if isinstance(r.get(metric), int | float)]
+        if not seen:
+            return None
+        return max(seen) if getattr(self, "higher_is_better", True) else min(seen)
+
     @staticmethod
     def _wan_totals(previous: list[dict[str, Any]], wan: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """Proxy-counted bytes of this round and so far (only when the WAN is emulated)."""
@@ -365,6 +376,7 @@ class ServerRun:
             metric=getattr(self, "metric", "accuracy"),
             final_metric=final.get(getattr(self, "metric", "accuracy")),
             best_accuracy=max((r["accuracy"] for r in rounds if r.get("accuracy") is not None), default=None),
+            best_metric=self._best(rounds),
             initial_evaluation=self.initial,
             bytes_up_total=final.get("cumulative_bytes_up", 0),
             bytes_down_total=final.get("cumulative_bytes_down", 0),

@@ -24,9 +24,9 @@ from nebula_fl.tasks import TaskSetup, make_task
 class ServerEvaluator:
     def __init__(self, cfg: RunConfig) -> None:
         seed = cfg.federation.seed
-        _, test = train_test_split(cfg.data, seed=seed)
-        self.labels = test.label_names
         self.task = make_task(cfg.task.name, cfg.task_options)
+        _, test = train_test_split(cfg.data, seed=seed, targets=self.task.targets)
+        self.labels = test.label_names
         self.device = torch.device(server_device(cfg.federation.server_device, visible=visible_gpus()))
         setup = TaskSetup(model=cfg.model, labels=list(self.labels), seed=seed, path=resolve_model_path(cfg.model.model),
                           privacy_mode=cfg.privacy.mode, device=self.device)
@@ -46,4 +46,11 @@ class ServerEvaluator:
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         self.task.load_exchanged(self.model, {k: a.numpy() for k, a in arrays.items()})
-        return MetricRecord(self.task.evaluate(self.model, self.data, batch_size=self.batch_size))
+        return MetricRecord(self.task.check_result(self.task.evaluate(self.model, self.data, batch_size=self.batch_size)))
+
+    def whole_model(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every tensor of the model (its state dict, frozen weights and buffers too) with the exchanged ones set to
+        `arrays`: what a full-exchange run ends with, loadable without knowing which weights crossed the WAN."""
+        self.task.load_exchanged(self.model, arrays)
+        return {k: v.detach().cpu().float().numpy().copy() if v.is_floating_point() else v.detach().cpu().numpy().copy()
+                for k, v in self.model.state_dict().items()}

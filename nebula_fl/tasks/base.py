@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from nebula_fl.config import ModelConfig, Section
+from nebula_fl.config import PRIVACY_MODES, ModelConfig, Section
+from nebula_fl.data.datasets import TARGETS
 
 Arrays = dict[str, np.ndarray]
 EXCHANGES = ("adapter", "full")
@@ -51,7 +52,7 @@ class TaskSetup:
 
     model: ModelConfig
     labels: list[str]
-    """The federation's label names in the server's order (empty for tasks that use no labels)."""
+    """The federation's class names in the server's order (empty for a task whose targets are 'values')."""
     seed: int
     path: Path
     """The resolved base model folder (its tokenizer is every task's tokenizer)."""
@@ -66,9 +67,17 @@ class Task(ABC):
     exchange: ClassVar[str] = "adapter"
     """'adapter': the PEFT adapter's state (less what is frozen and shared) crosses the WAN; 'full': every
     trainable weight does (pre-training)."""
+    targets: ClassVar[str] = "classes"
+    """What the dataset's label column holds for this task: 'classes' (names; ``examples`` gets int64 indices into
+    ``setup.labels``, the split and a Dirichlet partition are stratified by class) or 'values' (numbers; a CSV's
+    label column read as float32, ``setup.labels`` empty, split and partition stratified by quantile bins)."""
+    metrics: ClassVar[tuple[str, ...]] = ("accuracy", "macro_f1", "loss")
+    """Exactly the keys of ``evaluate``'s result: ``metric`` and 'loss' among them (checked when the task is
+    loaded, and every result against it on the server)."""
     metric: ClassVar[str] = "accuracy"
-    """The headline evaluation metric (a key of ``evaluate``'s result), the y-axis of the run's plot."""
+    """The headline evaluation metric (one of ``metrics``), the y-axis of the run's plot."""
     higher_is_better: ClassVar[bool] = True
+    """Whether a larger ``metric`` is a better model (the summary's best_metric picks by it)."""
     privacy_modes: ClassVar[tuple[str, ...]] = ("off", "client")
     """Privacy modes the task supports; 'sample' (per-example DP-SGD) needs a model Opacus can wrap."""
     Options: ClassVar[type[Section]] = NoOptions
@@ -93,8 +102,9 @@ class Task(ABC):
     @abstractmethod
     def examples(self, *, setup: TaskSetup, tokenizer, texts: Sequence[str], labels: np.ndarray,
                  train: bool) -> Examples:
-        """Tokenise `texts` (labels are indices into ``setup.labels``) into batchable examples: a cluster's
-        training shard (`train`, on the cluster, where e.g. a teacher may label it) or the server's test split."""
+        """Tokenise `texts` into batchable examples: a cluster's training shard (`train`, on the cluster, where
+        e.g. a teacher may label it) or the server's test split. `labels` are as ``targets`` says: int64 indices
+        into ``setup.labels``, or float32 values."""
 
     @abstractmethod
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -116,7 +126,21 @@ class Task(ABC):
 
     @abstractmethod
     def evaluate(self, model: nn.Module, data: Examples, *, batch_size: int) -> dict[str, float]:
-        """Metrics on held-out examples, including ``metric`` and 'loss'."""
+        """Metrics on held-out examples: a float for each name in ``metrics``, no other."""
+
+    def check_result(self, result: Mapping[str, Any]) -> dict[str, float]:
+        """`result` of ``evaluate`` as floats, or a ValueError naming the task, what differs and the fix."""
+        keys = set(result) if isinstance(result, Mapping) else None
+        if keys != set(self.metrics):
+            got = sorted(keys) if keys is not None else type(result).__name__
+            raise ValueError(f"task '{self.name}': evaluate returned {got}, but the task declares metrics = "
+                             f"{list(self.metrics)}; make Task.metrics name exactly the keys evaluate returns")
+        out = {}
+        for key, value in result.items():
+            if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+                raise ValueError(f"task '{self.name}': evaluate's '{key}' is {value!r}, not a number; return floats")
+            out[key] = float(value)
+        return out
 
     # -- what crosses the WAN ------------------------------------------------------------------------
     def exchanged(self, model: nn.Module) -> Arrays:
@@ -190,6 +214,29 @@ class GlobalWeights(Mapping[str, torch.Tensor]):
         return len(self._arrays)
 
 
+def _check_contract(cls: type[Task], where: str) -> None:
+    """What the framework reads from a task's class: its declared exchange, targets, metrics and privacy modes."""
+    if cls.exchange not in EXCHANGES:
+        raise ValueError(f"{where} has exchange = {cls.exchange!r}; use one of {', '.join(EXCHANGES)}")
+    if cls.targets not in TARGETS:
+        raise ValueError(f"{where} has targets = {cls.targets!r}; use one of {', '.join(TARGETS)}")
+    metrics = cls.metrics
+    if not (isinstance(metrics, tuple) and metrics and all(isinstance(m, str) and m for m in metrics)):
+        raise ValueError(f"{where} has metrics = {metrics!r}; declare a tuple of the names evaluate returns, e.g. "
+                         "('rmse', 'loss')")
+    if cls.metric not in metrics:
+        raise ValueError(f"{where} has metric = {cls.metric!r}, which is not among its metrics {list(metrics)}; "
+                         "add it to metrics (and to evaluate's result) or pick one of them")
+    if "loss" not in metrics:
+        raise ValueError(f"{where} declares metrics {list(metrics)} without 'loss'; the server records the held-out "
+                         "loss every round: return it from evaluate and add 'loss' to metrics")
+    if not isinstance(cls.higher_is_better, bool):
+        raise ValueError(f"{where} has higher_is_better = {cls.higher_is_better!r}; use True or False")
+    modes = cls.privacy_modes
+    if not (isinstance(modes, tuple) and modes and set(modes) <= set(PRIVACY_MODES)):
+        raise ValueError(f"{where} has privacy_modes = {modes!r}; use a tuple of {', '.join(PRIVACY_MODES)}")
+
+
 def check_task_class(cls: object, *, name: str, where: str) -> type[Task]:
     """A loaded plugin is a usable Task subclass registered under its own name, or a ValueError saying why."""
     import inspect
@@ -201,8 +248,7 @@ def check_task_class(cls: object, *, name: str, where: str) -> type[Task]:
     if getattr(cls, "name", None) != name:
         raise ValueError(f"{where} defines name = {getattr(cls, 'name', None)!r}, but is registered as '{name}'; "
                          "make them equal")
-    if cls.exchange not in EXCHANGES:
-        raise ValueError(f"{where} has exchange = {cls.exchange!r}; use one of {', '.join(EXCHANGES)}")
+    _check_contract(cls, where)
     if not (isinstance(cls.Options, type) and issubclass(cls.Options, Section) and cls.Options.PREFIX == "task"):
         raise ValueError(f"{where}'s Options must be a nebula_fl.config.Section dataclass with PREFIX = 'task'")
     return cls

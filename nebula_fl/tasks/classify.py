@@ -21,6 +21,7 @@ from nebula_fl.tasks.base import Examples, Task, TaskSetup
 class ClassifyTask(Task):
     name = "classify"
     exchange = "adapter"
+    metrics = ("accuracy", "macro_f1", "loss")
     metric = "accuracy"
     privacy_modes = ("off", "sample", "client")
 
@@ -39,12 +40,5 @@ class ClassifyTask(Task):
         return nn.functional.cross_entropy(logits, batch["labels"])
 
     def evaluate(self, model: nn.Module, data: Examples, *, batch_size: int) -> dict[str, float]:
-        return evaluate(model, data, batch_size=batch_size, num_classes=head_width(model))  # type: ignore[arg-type]
-
-
-def head_width(model: nn.Module) -> int:
-    """The classification head's width (PEFT wraps the head in a ModulesToSaveWrapper)."""
-    for name, module in model.named_modules():
-        if name.endswith(("head", "head.modules_to_save.default")) and hasattr(module, "out_features"):
-            return int(module.out_features)
-    raise ValueError("the classifier has no 'head' layer")
+        """Accuracy, macro-F1 (over the logits' columns, whatever the layer that makes them is called) and loss."""
+        return evaluate(model, data, batch_size=batch_size)  # type: ignore[arg-type]

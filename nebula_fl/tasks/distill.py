@@ -33,7 +33,6 @@ from nebula_fl.model.evaluation import evaluate
 from nebula_fl.model.loading import build_model
 from nebula_fl.model.teacher import Teacher, load_run_teacher, train_local_teacher
 from nebula_fl.tasks.base import Examples, Task, TaskSetup
-from nebula_fl.tasks.classify import head_width
 from nebula_fl.tasks.kd import kd_loss
 
 LOCAL = "local:"
@@ -129,6 +128,7 @@ def truncate_encoder(model: nn.Module, *, layers: int) -> None:
 class DistillTask(Task):
     name = "distill"
     exchange = "adapter"
+    metrics = ("accuracy", "macro_f1", "loss")
     metric = "accuracy"
     privacy_modes = ("off", "client")
     Options = DistillOptions
@@ -185,4 +185,4 @@ class DistillTask(Task):
         return kd_loss(logits, teacher, batch.get("labels"), temperature=self.opts.temperature, alpha=self.opts.alpha)
 
     def evaluate(self, model: nn.Module, data: Examples, *, batch_size: int) -> dict[str, float]:
-        return evaluate(model, data, batch_size=batch_size, num_classes=head_width(model))  # type: ignore[arg-type]
+        return evaluate(model, data, batch_size=batch_size)  # type: ignore[arg-type]

@@ -138,6 +138,7 @@ def masked_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[tor
 class MLMTask(Task):
     name = "mlm"
     exchange = "full"
+    metrics = ("loss", "perplexity", "accuracy", "masked-tokens")
     metric = "perplexity"
     higher_is_better = False
     privacy_modes = ("off", "client")
