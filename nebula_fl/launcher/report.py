@@ -23,6 +23,25 @@ def _fmt(value: Any, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+LEGACY_METRICS = ("accuracy", "macro_f1", "loss", "perplexity")  # rounds recorded before rows named their metrics
+LABELS = {"macro_f1": "macro-F1"}
+
+
+def metric_names(rounds: Sequence[dict[str, Any]], *, initial: dict[str, Any] | None = None) -> list[str]:
+    """The evaluation's metrics in the task's order (what its rows name), those some row or the initial one has."""
+    named = [list(line["eval_metrics"]) for line in rounds if line.get("eval_metrics")]
+    names: list[str] = []
+    for name in [m for ms in named for m in ms] or list(initial or {}) or LEGACY_METRICS:
+        if name not in names:
+            names.append(name)
+    seen = [initial or {}, *rounds]
+    return [n for n in names if any(isinstance(line.get(n), int | float) for line in seen)]
+
+
+def _label(name: str) -> str:
+    return LABELS.get(name, name.replace("_", " "))
+
+
 def round_line(line: dict[str, Any], total: int) -> str:
     clusters = line.get("clusters", {})
     per = ", ".join(
@@ -32,10 +51,10 @@ def round_line(line: dict[str, Any], total: int) -> str:
     rejected = f" | dropped: {', '.join(sorted(line['rejected']))}" if line.get("rejected") else ""
     if line.get("skipped"):
         rejected += " | SKIPPED: too few usable updates, the global adapter stays"
-    extra = f"perplexity {_fmt(line['perplexity'])}, " if line.get("perplexity") is not None else ""
+    shown = [n for n in metric_names([line]) if n != "loss"] or ["accuracy"]
+    evaluated = "".join(f"{_label(n)} {_fmt(line.get(n))}, " for n in shown)
     return (
-        f"round {line['round']}/{total}: accuracy {_fmt(line.get('accuracy'))}, macro-F1 {_fmt(line.get('macro_f1'))}, "
-        f"{extra}"
+        f"round {line['round']}/{total}: {evaluated}"
         f"up {human_bytes(line.get('bytes_up'))}, down {human_bytes(line.get('bytes_down'))}, "
         f"{line.get('seconds', 0):.1f} s{f' (train loss {per})' if per else ''}{rejected}"
     )
@@ -44,8 +63,8 @@ def round_line(line: dict[str, Any], total: int) -> str:
 def results_table(rounds: Sequence[dict[str, Any]], *, initial: dict[str, Any] | None = None) -> Table:
     cluster_ids = sorted({cid for line in rounds for cid in line.get("clusters", {})})
     table = Table(title="nebula-fl: per-round results (bytes = serialized payload per cluster)")
-    perplexity = any(line.get("perplexity") is not None for line in rounds)
-    for name in ("round", "accuracy", "macro-F1", "loss", *(["perplexity"] if perplexity else []), "train loss"):
+    metrics = metric_names(rounds, initial=initial)
+    for name in ("round", *(_label(m) for m in metrics), "train loss"):
         table.add_column(name, justify="right")
     for cid in cluster_ids:
         table.add_column(f"cluster {cid} up / down", justify="right")
@@ -56,8 +75,7 @@ def results_table(rounds: Sequence[dict[str, Any]], *, initial: dict[str, Any] |
         table.add_column("busy (min)", justify="right")
     table.add_column("done at (s)", justify="right")  # run time when the round was recorded; rounds may overlap
     if initial:
-        table.add_row("0", _fmt(initial.get("accuracy")), _fmt(initial.get("macro_f1")), _fmt(initial.get("loss")),
-                      *([_fmt(initial.get("perplexity"))] if perplexity else []), "-", *["-" for _ in cluster_ids],
+        table.add_row("0", *(_fmt(initial.get(m)) for m in metrics), "-", *["-" for _ in cluster_ids],
                       *(["-"] if busy else []), "-")
     for line in rounds:
         cells = []
@@ -65,8 +83,7 @@ def results_table(rounds: Sequence[dict[str, Any]], *, initial: dict[str, Any] |
             c = line.get("clusters", {}).get(cid)
             cells.append(f"{human_bytes(c['bytes_up'])} / {human_bytes(c['bytes_down'])}" if c else "-")
         table.add_row(
-            str(line["round"]), _fmt(line.get("accuracy")), _fmt(line.get("macro_f1")), _fmt(line.get("loss")),
-            *([_fmt(line.get("perplexity"))] if perplexity else []), _fmt(line.get("train_loss")), *cells,
+            str(line["round"]), *(_fmt(line.get(m)) for m in metrics), _fmt(line.get("train_loss")), *cells,
             *([_fmt(line.get("timeline", {}).get("busy_fraction_min"), ".0%")] if busy else []),
             f"{line.get('elapsed_seconds', 0):.1f}",
         )

@@ -299,8 +299,10 @@ class ServerRun:
             "skipped": outcome.skipped,
             **outcome.extras,
         }
-        for key, value in evals.items():  # the task's other metrics (perplexity, ...)
+        for key, value in evals.items():  # the task's other metrics (perplexity, rmse, ...)
             line.setdefault(key, value)
+        if evals:
+            line["eval_metrics"] = list(evals)  # which keys are the evaluation's, in the task's order (the report's columns)
         timed = {}
         for node_id, traffic in outcome.nodes.items():
             cid = cluster_of[node_id]
