@@ -95,9 +95,14 @@ class Section:
         return out
 
 
-def _require(condition: bool, key: str, problem: str, fix: str) -> None:
+def require(condition: bool, key: str, problem: str, fix: str) -> None:
+    """A ConfigError ``config key '<key>' <problem>; <fix>`` unless `condition`: the one-line form every config
+    check uses, public so a plug-in's Options section checks its keys in the same words."""
     if not condition:
         raise ConfigError(f"config key '{key}' {problem}; {fix}")
+
+
+_require = require  # the name this module's own checks use
 
 
 MAX_PATH_BYTES = 4095  # Linux PATH_MAX (4096) less the terminating NUL

@@ -10,7 +10,7 @@ from typing import ClassVar
 import pytest
 
 from nebula_fl.components import load, resolve
-from nebula_fl.config import OuterConfig, RunConfig, Section, _require
+from nebula_fl.config import OuterConfig, RunConfig, Section, require
 from nebula_fl.errors import ConfigError
 from nebula_fl.strategies import BUILTIN_STRATEGIES, make_strategy
 from nebula_fl.strategies.fedavg import AdapterFedAvg
@@ -33,7 +33,7 @@ class TrimOptions(Section):
     """Share cut from each end; in [0, 0.5)."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.trim, float) and 0 <= self.trim < 0.5, "strategy.trim", f"is {self.trim!r}",
+        require(isinstance(self.trim, float) and 0 <= self.trim < 0.5, "strategy.trim", f"is {self.trim!r}",
                  "use a share in [0, 0.5)")
 
 

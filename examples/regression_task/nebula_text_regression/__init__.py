@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nebula_fl.config import Section, _require
+from nebula_fl.config import Section, require
 from nebula_fl.model.loading import build_model
 from nebula_fl.tasks.base import Task, TaskSetup
 
@@ -36,7 +36,7 @@ class RegressionOptions(Section):
     """'mse' (squared error) or 'huber' (squared below 1, linear above: outliers pull less)."""
 
     def __post_init__(self) -> None:
-        _require(self.loss in LOSSES, "task.loss", f"is {self.loss!r}", f"use one of {', '.join(LOSSES)}")
+        require(self.loss in LOSSES, "task.loss", f"is {self.loss!r}", f"use one of {', '.join(LOSSES)}")
 
 
 class ScoredTexts:

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from nebula_fl.config import Section, _require
+from nebula_fl.config import Section, require
 from nebula_fl.strategies.fedavg import AdapterFedAvg
 
 Arrays = dict[str, np.ndarray]
@@ -27,7 +27,7 @@ class TrimOptions(Section):
     remains (`strategy.trim` in the run config)."""
 
     def __post_init__(self) -> None:
-        _require(0.0 <= self.trim < 0.5, "strategy.trim", f"is {self.trim!r}", "use a share in [0, 0.5)")
+        require(0.0 <= self.trim < 0.5, "strategy.trim", f"is {self.trim!r}", "use a share in [0, 0.5)")
 
 
 def cut(n: int, trim: float) -> int:

@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from nebula_fl.config import Section, _require
+from nebula_fl.config import Section, require
 from nebula_fl.model.loading import build_classifier
 from nebula_fl.tasks.base import TaskSetup
 from nebula_fl.tasks.classify import ClassifyTask
@@ -23,7 +23,7 @@ class ProbeOptions(Section):
     """'mean' (token states averaged over the attention mask) or 'cls' (the first token's state)."""
 
     def __post_init__(self) -> None:
-        _require(self.pooling in ("mean", "cls"), "task.pooling", f"is {self.pooling!r}", "use 'mean' or 'cls'")
+        require(self.pooling in ("mean", "cls"), "task.pooling", f"is {self.pooling!r}", "use 'mean' or 'cls'")
 
 
 class Probe(nn.Module):
