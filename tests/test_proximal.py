@@ -17,6 +17,7 @@ from nebula_fl.errors import ConfigError
 from nebula_fl.model.adapter import adapter_arrays, adapter_parameters
 from nebula_fl.model.batches import TokenizedTexts
 from nebula_fl.model.loading import build_model, load_tokenizer
+from tests.test_sharding import _trainer as sharded_trainer
 
 LABELS = ["business", "entertainment", "politics", "sports", "tech"]
 TEXTS = ["the match ended in a draw", "shares fell on the stock market", "the minister resigned today",
@@ -131,16 +132,7 @@ def test_every_exchanged_adapter_tensor_is_matched_to_its_trainable_parameter(ti
 
 # -- the trainer, two gloo ranks --------------------------------------------------------------------------------
 def _trainer(parallel: str, state_dir: Path, model_path: Path, rank: int, world: int, control):
-    from nebula_fl.clients.trainer import ClusterTrainer, WorkerContext
-    from nebula_fl.data.datasets import TextDataset
-
-    rng = np.random.default_rng(3)
-    words = ["market", "film", "vote", "goal", "chip", "bank", "actor", "party", "match", "phone", "shares", "stage"]
-    texts = [" ".join(rng.choice(words, 14)) for _ in range(64)]
-    shard = TextDataset(texts, rng.integers(0, len(LABELS), 64), list(LABELS))
-    return ClusterTrainer(WorkerContext(rank=rank, world=world, cluster_id=0, device=torch.device("cpu"),
-                                        model_path=model_path, shard=shard, state_dir=state_dir, control=control,
-                                        parallel=parallel))
+    return sharded_trainer(parallel, state_dir, model_path, rank, world, control, examples=64)
 
 
 def _config(model_path: Path, rnd: int = 1, **extra) -> dict:

@@ -131,7 +131,8 @@ def _mixed_dtype_error(rank: int, world: int) -> dict:
     return errors
 
 
-def _trainer(parallel: str, state_dir: Path, model_path: Path, rank: int, world: int, control):
+def _trainer(parallel: str, state_dir: Path, model_path: Path, rank: int, world: int, control, *, examples: int = 40):
+    """A cluster trainer on `examples` seeded texts of the topic words (tests/test_proximal.py uses it too)."""
     import torch
 
     from nebula_fl.clients.trainer import ClusterTrainer, WorkerContext
@@ -139,8 +140,8 @@ def _trainer(parallel: str, state_dir: Path, model_path: Path, rank: int, world:
 
     rng = np.random.default_rng(3)
     words = ["market", "film", "vote", "goal", "chip", "bank", "actor", "party", "match", "phone", "shares", "stage"]
-    texts = [" ".join(rng.choice(words, 14)) for _ in range(40)]
-    shard = TextDataset(texts, rng.integers(0, len(LABELS), 40), list(LABELS))
+    texts = [" ".join(rng.choice(words, 14)) for _ in range(examples)]
+    shard = TextDataset(texts, rng.integers(0, len(LABELS), examples), list(LABELS))
     return ClusterTrainer(WorkerContext(rank=rank, world=world, cluster_id=0, device=torch.device("cpu"),
                                         model_path=model_path, shard=shard, state_dir=state_dir, control=control,
                                         parallel=parallel))
