@@ -310,3 +310,26 @@ def test_replies_reach_the_strategy_in_cluster_order_whatever_order_they_arrived
     reversed_clusters = krum([1, 2, 3], {1: "2", 2: "1", 3: "0"})  # cluster 0 is node 3: its reply comes first
     assert all(np.array_equal(krum([3, 1, 2], {1: "2", 2: "1", 3: "0"})[k], reversed_clusters[k]) for k in GLOBAL)
     assert any(not np.array_equal(reversed_clusters[k], by_node[k]) for k in GLOBAL)  # the order decided the tie
+
+
+def test_multikrum_says_which_clusters_it_kept_and_clusters_aggregated_counts_them():
+    """Four clusters, one far from the rest: MultiKrum (f = 1, keep 3) leaves it out, records kept=False for it,
+    and the round's `clusters` (metrics.jsonl's clusters_aggregated) is 3 of 4 usable."""
+    nodes = (1, 2, 3, 4)
+    near = [np.array([0.5, 0.25, 0.0, 0.25]), np.array([0.25, 0.5, 0.25, 0.0]), np.array([0.5, 0.5, 0.25, 0.25])]
+    updates = [{"a": u.astype(np.float32), "b": np.zeros((2, 2), np.float32)} for u in near]
+    updates.insert(2, {"a": np.full(4, 50.0, np.float32), "b": np.full((2, 2), 50.0, np.float32)})  # cluster 2
+    strategy = _wrapped("MultiKrum", {"strategy.num-malicious-nodes": 1, "strategy.num-nodes-to-select": 3})
+    strategy.configure_train(1, to_record(GLOBAL), ConfigRecord(), FakeGrid(nodes))
+    replies = [_reply(n, u, {"num-examples": 10, "train-loss": 1.0, "cluster-id": n - 1})
+               for n, u in zip(nodes, updates)]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert metrics["clusters"] == 3 and metrics["clusters-usable"] == 4
+    notes = strategy.round_notes()
+    assert {cid: n["strategy"]["kept"] for cid, n in notes.items()} == {"0": True, "1": True, "2": False, "3": True}
+    kept_mean = np.mean([u["a"] for i, u in enumerate(updates) if i != 2], axis=0)
+    np.testing.assert_allclose(to_numpy(arrays)["a"], GLOBAL["a"] + kept_mean, rtol=1e-6)
+    fedavg = _wrapped("FedAvg")  # a mean-based strategy records nothing: every update is in its aggregate
+    fedavg.configure_train(1, to_record(GLOBAL), ConfigRecord(), FakeGrid(nodes))
+    _, plain = fedavg.aggregate_train(1, replies)
+    assert plain["clusters"] == 4 and fedavg.round_notes() == {}

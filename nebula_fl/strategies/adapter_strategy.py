@@ -252,8 +252,8 @@ class AdapterStrategy(NebulaStrategy):
         self.round_clusters = [self.cluster_of(c) for c in contributions]
         mean = self.aggregate_updates(updates, weights)
         normalized = [replace(c, update=u) for c, u in zip(contributions, updates, strict=True)]
-        return self._outer_update(mean, weight=sum(weights), count=usable - self.records.dropped(),
-                                  usable=usable, train_loss=loss, extra=normalization, contributions=normalized)
+        return self._outer_update(mean, weight=sum(weights), count=usable, usable=usable, train_loss=loss,
+                                  extra=normalization, contributions=normalized)
 
     def cluster_of(self, contribution: Contribution) -> str:
         """The cluster id a contribution comes from, as the round's line names it."""
@@ -292,7 +292,8 @@ class AdapterStrategy(NebulaStrategy):
     def _outer_update(self, mean: Arrays, *, weight: float, count: int, usable: int | None = None,
                       train_loss: float | None = None, extra: dict[str, float] | None = None,
                       contributions: list[Contribution] | None = None) -> tuple[ArrayRecord | None, MetricRecord]:
-        """`count` updates went into `mean`, of `usable` (default `count`) that passed validation."""
+        """`count` updates went into `mean`, of `usable` (default `count`) that passed validation; those the strategy
+        recorded as not kept (in ``aggregate_updates`` or ``step``) are not counted as aggregated."""
         usable = count if usable is None else usable
         if usable < self.min_updates or self.current is None:
             return None, MetricRecord({"clusters": 0, "clusters-usable": usable})
@@ -303,7 +304,7 @@ class AdapterStrategy(NebulaStrategy):
         self.current = stepped
         metrics = {
             WEIGHT_KEY: int(weight),
-            "clusters": count,
+            "clusters": count - self.records.dropped(),
             "clusters-usable": usable,
             "update-norm": float(np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in mean.values()))),
         }

@@ -54,6 +54,7 @@ from nebula_fl.strategies.adapter_strategy import (
 
 PREFIX = "flwr:"
 LOSS_KEY = "train-loss"  # what the clusters report as their mean training loss
+INDEX_KEY = "nebula-reply"  # each built reply's position, so the replies a strategy aggregated can be told apart
 
 MEAN_BASED = ("FedAvg", "FedAvgM", "FedProx", "FedAdam", "FedYogi", "FedAdagrad")
 INDIVIDUAL = ("FedMedian", "FedTrimmedAvg", "Krum", "MultiKrum", "Bulyan", "QFedAvg")
@@ -218,6 +219,9 @@ class FlowerOuter(AdapterStrategy):
                              "default for it); set it with --run-config")
         params = inspect.signature(self.flower_class.__init__).parameters
         owned = {k: v for k, v in OWNED.items() if k in params}
+        if "train_metrics_aggr_fn" in params:  # Flower's public hook sees exactly the replies a strategy aggregates
+            owned["train_metrics_aggr_fn"] = self._aggregated_metrics
+        self.aggregated: set[int] | None = None  # the round's reply indices the strategy aggregated, when it said
         self.flower = self.flower_class(**owned, **given)
         self.arrays_key = getattr(self.flower, "arrayrecord_key", "arrays")
         self.constructor = set(params)  # attributes named for an argument are settings, not state
@@ -271,8 +275,10 @@ class FlowerOuter(AdapterStrategy):
         if contributions is None:  # secure aggregation: the mean of the round's updates and their total weight
             contributions = [Contribution(node_id=self.round_nodes[0] if self.round_nodes else 0, update=mean,
                                           weight=weight, metrics={})]
+            order = [0]
         else:  # in cluster order, not arrival order: Krum breaks ties by reply order, sums round by it
-            contributions = sorted(contributions, key=self._cluster_order)
+            order = sorted(range(len(contributions)), key=lambda i: self._cluster_order(contributions[i]))
+            contributions = [contributions[i] for i in order]
         grid = RoundGrid(self.round_nodes or sorted({c.node_id for c in contributions}))
         sent = list(self.flower.configure_train(self.server_round, to_record(params), ConfigRecord(), grid))
         to_node = {m.metadata.dst_node_id: m for m in sent}
@@ -283,11 +289,16 @@ class FlowerOuter(AdapterStrategy):
             instruction = to_node.get(c.node_id)
             if instruction is None:  # a strategy that samples on its own left this cluster out: its own instruction
                 instruction = Message(RecordDict(), dst_node_id=c.node_id, message_type=MessageType.TRAIN)
-            metrics: dict[str, Any] = {WEIGHT_KEY: c.weight} | ({LOSS_KEY: float(loss)} if with_loss else {})
+            metrics: dict[str, Any] = {WEIGHT_KEY: c.weight, INDEX_KEY: len(replies)}
+            metrics |= {LOSS_KEY: float(loss)} if with_loss else {}
             trained = {k: (params[k] + c.update[k]).astype(params[k].dtype, copy=False) for k in params}
             content = RecordDict({self.arrays_key: to_record(trained), METRICS_KEY: MetricRecord(metrics)})
             replies.append(Message(content, reply_to=instruction))
+        self.aggregated = None
         arrays, _ = self.flower.aggregate_train(self.server_round, replies)
+        if self.needs_individual_updates and len(replies) > 1 and self.aggregated is not None:
+            for position, original in enumerate(order):  # what a selecting strategy (Krum, Bulyan) kept
+                self.record(original, kept=position in self.aggregated)
         if arrays is None:
             log(WARNING, "round %d: %s aggregated none of the %d update(s); the round is skipped", self.server_round,
                 self.name, len(replies))
@@ -295,6 +306,14 @@ class FlowerOuter(AdapterStrategy):
         new = {k: v.astype(params[k].dtype, copy=False) if k in params else v for k, v in to_numpy(arrays).items()}
         check_arrays(expected={k: v.shape for k, v in params.items()}, arrays=new, what=f"{self.name}'s next adapter")
         return new
+
+    def _aggregated_metrics(self, records: list[RecordDict], weighting_key: str) -> MetricRecord:
+        """Flower's metric aggregation, noting which replies reached it: the ones the strategy aggregated (Krum's
+        and Bulyan's selection; every reply for the others), for ``clusters_aggregated`` and the round's record."""
+        from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+        self.aggregated = {int(next(iter(r.metric_records.values()))[INDEX_KEY]) for r in records}
+        return aggregate_metricrecords(records, weighting_key)
 
     def _cluster_order(self, contribution: Contribution) -> tuple[int, int]:
         cluster = self.directory.get(contribution.node_id)
