@@ -406,9 +406,10 @@ def run_nebula(*, codec: str, extra: str, settings: Mode, args: argparse.Namespa
 
 def stock_run_config(*, mode: str, settings: Mode, args: argparse.Namespace, folder: Path, controls: list[Path]) -> str:
     """The stock app's run config: nebula-fl's own defaults for everything both sides share."""
-    shared: dict[str, Any] = {  # not nebula-fl's round scheduling: stock Flower rounds block, on fixed steps
+    shared: dict[str, Any] = {  # not nebula-fl's round scheduling (stock Flower rounds block, on fixed steps), nor
+        # FedProx's term (the stock baseline is FedAvg)
         key: value for section in (TrainConfig(), ModelConfig()) for key, value in section.to_flat().items()
-        if key not in ("round-overlap", "max-local-steps", "round-seconds")
+        if key not in ("round-overlap", "max-local-steps", "round-seconds", "prox-mu")
     }
     shared.update({
         "mode": mode, "num-server-rounds": settings.rounds, "num-clusters": args.clusters,

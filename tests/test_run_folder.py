@@ -100,7 +100,7 @@ class _Evaluator:
     device = "cpu"
 
     def __init__(self, cfg):
-        self.task = SimpleNamespace(metric="accuracy", exchange="adapter")
+        self.task = SimpleNamespace(metric="accuracy", exchange="adapter", higher_is_better=True)
 
     def initial_adapter(self):
         return {"w": np.zeros(3, np.float32)}
