@@ -33,7 +33,7 @@ import torch.distributed as dist
 from nebula_fl.clients.exchange import Exchange, privatize_update
 from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr, train_steps
 from nebula_fl.clients.overlap import Ahead, ahead_usable, busy, rebased, steps_ahead, steps_on_arrival
-from nebula_fl.clients.proximal import ProximalTerm, attach
+from nebula_fl.clients.proximal import ProximalTerm, attach, proximal_penalty
 from nebula_fl.clients.reply_cache import FEDERATION_ID
 from nebula_fl.clients.sharding import load_optimizer_state, local_optimizer_state, wrap
 from nebula_fl.clients.snapshots import SnapshotStore
@@ -120,9 +120,9 @@ class ClusterTrainer:
         update = {k: (after[k] - np.asarray(base[k], dtype=np.float32)).astype(np.float32) for k in after}
         prox_metrics = {} if self.proximal is None else {
             "prox-mu": self.proximal.mu,  # and the term's value at the round's end, (mu / 2) ||w - w_g||^2
-            "prox-term": 0.5 * self.proximal.mu * sum(
-                float(np.sum((after[k].astype(np.float64) - np.asarray(global_arrays[k], dtype=np.float64)) ** 2))
-                for k in after)}
+            "prox-term": float(proximal_penalty([torch.from_numpy(after[k]) for k in after],
+                                                [torch.from_numpy(np.asarray(global_arrays[k])) for k in after],
+                                                mu=self.proximal.mu))}
         if train_cfg.round_overlap:  # the progress just measured, kept on the new global (clients/overlap.py)
             self.anchor = rebased(global_arrays, update)
             self.task.load_exchanged(self.model_core, self.anchor)
