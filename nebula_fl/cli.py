@@ -136,9 +136,9 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
     data.add_argument("--seed", type=int, default=0, help="the federation's seed (as on the server)")
     data.add_argument("--test-fraction", type=float, default=0.2, help="held out for the server (as on the server)")
     data.add_argument("--max-examples", type=int, default=0, help="dataset cap (as on the server)")
-    data.add_argument("--targets", choices=("classes", "values"), default="classes",
-                      help="what the label column holds, as the run's task says (Task.targets): class names, or "
-                      "numbers for a task that predicts values")
+    data.add_argument("--targets", choices=("classes", "values", "text"), default="classes",
+                      help="what the label column holds, as the run's task says (Task.targets): class names, "
+                      "numbers for a task that predicts values, or a language model's records (text)")
 
 
 def _add_privacy_report(sub: argparse._SubParsersAction) -> None:

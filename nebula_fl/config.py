@@ -288,8 +288,9 @@ class ModelConfig(Section):
     """The base model and the LoRA adapter that is the only thing trained and exchanged."""
 
     model: str = "minilm"
-    """'minilm' (the shipped all-MiniLM-L6-v2) or a path to a transformers BERT-style model folder (at most
-    4,095 bytes, names of at most 255, no control characters)."""
+    """'minilm' (the shipped all-MiniLM-L6-v2), 'smollm2' (the shipped SmolLM2-135M-Instruct, a decoder for the
+    causal-lm task), or a path to a transformers model folder or a .gguf file (at most 4,095 bytes, names of at
+    most 255, no control characters)."""
     max_seq_len: int = 128
     """Tokens per example; longer texts are truncated; 8 to 512 (BERT's position embeddings)."""
     lora_r: int = 8

@@ -352,6 +352,8 @@ class ClusterTrainer:
                                f"(it supports {', '.join(self.task.privacy_modes)})")
         if targets == "values":
             self.labels = np.asarray(self.ctx.shard.labels, dtype=np.float32)
+        elif targets == "text":
+            self.labels = self.ctx.shard.labels
         else:
             remap = np.array([labels.index(n) for n in names], dtype=np.int64)
             self.labels = remap[self.ctx.shard.labels]

