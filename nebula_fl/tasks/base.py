@@ -124,7 +124,8 @@ class Task(ABC):
         cluster's own rebased weights, and the steps it trains ahead of the next message keep this anchor.
 
         Under per-example DP (`privacy.mode = "sample"`) ``loss`` scores each physical chunk of a logical batch,
-        and a term in it that depends on no example is clipped with the examples' gradients. FedProx needs none of this: `prox-mu` adds its term for any task
+        and Opacus keeps only the gradients that flow through the model's modules per example: a term on the
+        weights themselves is dropped. FedProx needs none of this: `prox-mu` adds its term for any task
         (``clients/proximal.py``)."""
         self.global_weights = global_weights
 

@@ -314,7 +314,8 @@ class CausalLMTask(Task):
 
     def private_examples(self, data: Examples) -> PerExample:
         """Records sampled by index, in chunks of similar lengths; an empty Poisson batch skips the decoder (it cannot
-        run on zero rows). ``loss`` weighs every record the same, as Opacus's per-example mean needs."""
+        run on zero rows). ``loss`` weighs every record the same, as Opacus's per-example mean needs (every record
+        has a learned token, so its mean runs over the whole batch)."""
         from nebula_fl.privacy.sample_dp import indexed
 
         records: CausalRecords = data  # type: ignore[assignment]
