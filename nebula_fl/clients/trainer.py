@@ -404,7 +404,8 @@ class ClusterTrainer:
                                           labels=self.labels, train=True)
         params = [p for p in self.model_core.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
-        self.private = make_private(model=self.model_core, optimizer=optimizer, data=self.dp_data,
+        self.private = make_private(model=self.model_core, optimizer=optimizer,
+                                    data=self.task.private_examples(self.dp_data),
                                     batch_size=self.logical_batch, physical_batch_size=train_cfg.batch_size,
                                     noise_multiplier=admission.noise_multiplier, max_grad_norm=admission.max_grad_norm,
                                     distributed=self.ctx.world > 1)

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -25,6 +25,9 @@ from torch import nn
 
 from nebula_fl.config import PRIVACY_MODES, ModelConfig, Section
 from nebula_fl.data.datasets import TARGETS
+
+if TYPE_CHECKING:
+    from nebula_fl.privacy.sample_dp import PerExample
 
 Arrays = dict[str, np.ndarray]
 EXCHANGES = ("adapter", "full")
@@ -79,7 +82,8 @@ class Task(ABC):
     higher_is_better: ClassVar[bool] = True
     """Whether a larger ``metric`` is a better model (the summary's best_metric picks by it)."""
     privacy_modes: ClassVar[tuple[str, ...]] = ("off", "client")
-    """Privacy modes the task supports; 'sample' (per-example DP-SGD) needs a model Opacus can wrap."""
+    """Privacy modes the task supports; 'sample' (per-example DP-SGD) needs a model Opacus can wrap and a per-example
+    mean loss (``private_examples``)."""
     Options: ClassVar[type[Section]] = NoOptions
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
     """Run-config keys merged over the generic preset of the same name (``nebula-fl run --task T --preset smoke``)."""
@@ -119,10 +123,22 @@ class Task(ABC):
         model already holds the weights training starts from: the global ones, or under `round-overlap` the
         cluster's own rebased weights, and the steps it trains ahead of the next message keep this anchor.
 
-        Under per-example DP (`privacy.mode = "sample"`) Opacus trains with a cross-entropy of its own and
-        ``loss`` is not called. FedProx needs none of this: `prox-mu` adds its term for any task
+        Under per-example DP (`privacy.mode = "sample"`) ``loss`` scores each physical chunk of a logical batch,
+        and Opacus keeps only the gradients that flow through the model's modules per example: a term on the
+        weights themselves is dropped. FedProx needs none of this: `prox-mu` adds its term for any task
         (``clients/proximal.py``)."""
         self.global_weights = global_weights
+
+    def private_examples(self, data: Examples) -> PerExample:
+        """`data`, this cluster's training examples, as per-example DP-SGD (`privacy.mode = "sample"`) samples them:
+        by index, batched by ``data.batch``, scored by ``loss``. Asked only of a task that lists 'sample' in
+        ``privacy_modes``, which is the task's promise that ``loss`` is the mean over the batch's examples of each
+        example's own loss (Opacus's per-example gradients are n times the gradient of that mean) and that Opacus
+        computes per-example gradients of its trainable modules (checked when training starts). Override to give
+        the examples' lengths (chunks of similar lengths pad less) or another batching."""
+        from nebula_fl.privacy.sample_dp import indexed
+
+        return indexed(data, loss=self.loss)
 
     @abstractmethod
     def evaluate(self, model: nn.Module, data: Examples, *, batch_size: int) -> dict[str, float]:

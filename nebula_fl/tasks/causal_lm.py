@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ from torch import nn
 from nebula_fl.config import ModelConfig, Section, _int, _require
 from nebula_fl.errors import NebulaError
 from nebula_fl.tasks.base import EXCHANGES, Examples, Task, TaskSetup
+
+if TYPE_CHECKING:
+    from nebula_fl.privacy.sample_dp import PerExample
 
 INITS = ("pretrained", "scratch")
 OBJECTIVES = ("instruct", "pretrain")
@@ -217,7 +220,7 @@ class CausalLMTask(Task):
     metrics = ("loss", "perplexity", "exact-match", "tokens")
     metric = "loss"
     higher_is_better = False
-    privacy_modes = ("off", "client")
+    privacy_modes = ("off", "sample", "client")
     Options = CausalLMOptions
     presets: ClassVar[dict[str, dict[str, Any]]] = {
         # Every code path in seconds: a 1-layer Llama of width 64 with MiniLM's tokenizer, LoRA on it.
@@ -308,6 +311,16 @@ class CausalLMTask(Task):
         return CausalRecords(tokenizer, texts, [str(a) for a in labels], max_len=setup.model.max_seq_len,
                              objective=self.opts.objective, template=self.opts.template,
                              exact_match_tokens=self.opts.exact_match_tokens)
+
+    def private_examples(self, data: Examples) -> PerExample:
+        """Records sampled by index, in chunks of similar lengths; an empty Poisson batch skips the decoder (it cannot
+        run on zero rows). ``loss`` weighs every record the same, as Opacus's per-example mean needs (every record
+        has a learned token, so its mean runs over the whole batch)."""
+        from nebula_fl.privacy.sample_dp import indexed
+
+        records: CausalRecords = data  # type: ignore[assignment]
+        return indexed(records, loss=self.loss, lengths=np.array([len(x) for x in records.ids], dtype=np.int64),
+                       forward_empty=False)
 
     def format_prompt(self, tokenizer, prompt: str) -> str:
         """What the model is fed before it answers `prompt`, as in training (for generation)."""
