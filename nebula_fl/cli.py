@@ -238,8 +238,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     from nebula_fl.generation import generate_main
 
+    console = Console(highlight=False)
+    if not console.is_terminal:  # a log or a pipe: wide enough that a completion is not folded into a column
+        console = Console(highlight=False, width=160)
     return generate_main(args.run_dir, prompts=args.prompt, max_new_tokens=args.max_new_tokens, model=args.model,
-                         device=args.device, as_json=args.json, console=Console(highlight=False))
+                         device=args.device, as_json=args.json, console=console)
 
 
 def _run(args: argparse.Namespace) -> int:
