@@ -234,15 +234,26 @@ def _privacy_report(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    import os
 
-    from nebula_fl.generation import generate_main
+    from rich.console import Console
 
     console = Console(highlight=False)
     if not console.is_terminal:  # a log or a pipe: wide enough that a completion is not folded into a column
         console = Console(highlight=False, width=160)
-    return generate_main(args.run_dir, prompts=args.prompt, max_new_tokens=args.max_new_tokens, model=args.model,
-                         device=args.device, as_json=args.json, console=console)
+    # read when tqdm loads: a GGUF model's loading bar is noise over a table (restored: children must not inherit it)
+    before = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        from nebula_fl.generation import generate_main
+
+        return generate_main(args.run_dir, prompts=args.prompt, max_new_tokens=args.max_new_tokens, model=args.model,
+                             device=args.device, as_json=args.json, console=console)
+    finally:
+        if before is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = before
 
 
 def _run(args: argparse.Namespace) -> int:

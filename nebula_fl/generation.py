@@ -196,11 +196,8 @@ def open_run(folder: str | Path, *, model: str | None = None, device: str = "cpu
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # greedy decoding with a config that sets sampling knobs warns on every call
-    with warnings.catch_warnings():  # PEFT calls a transformers method deprecated in v5 (a FutureWarning per load)
-        warnings.simplefilter("ignore", FutureWarning)
-        built = task.build_model(setup).eval()
-    return RunModel(folder=run.path, task=task, model=built, tokenizer=task.tokenizer(setup), weights=weights,
-                    model_name=cfg.model.model, summary=summary)
+    return RunModel(folder=run.path, task=task, model=task.build_model(setup).eval(), tokenizer=task.tokenizer(setup),
+                    weights=weights, model_name=cfg.model.model, summary=summary)
 
 
 def compare(run: RunModel, request: GenerateRequest) -> list[Comparison]:
@@ -245,8 +242,12 @@ def generate_main(folder: str, *, prompts: Sequence[str], max_new_tokens: int, m
     import json
 
     request = GenerateRequest(prompts=tuple(prompts), max_new_tokens=max_new_tokens)
-    run = open_run(folder, model=model, device=device)
-    result = report(run, request, compare(run, request))
+    with warnings.catch_warnings():  # the libraries' notes to developers, not to someone reading completions
+        for module in ("peft", "transformers"):
+            warnings.filterwarnings("ignore", category=UserWarning, module=module)
+            warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+        run = open_run(folder, model=model, device=device)
+        result = report(run, request, compare(run, request))
     if as_json:
         print(json.dumps(result, indent=2))
     else:
