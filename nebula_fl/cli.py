@@ -155,6 +155,27 @@ def _add_privacy_report(sub: argparse._SubParsersAction) -> None:
                    help="a run folder written by nebula-fl, or a cluster trainer's --state-dir (its own ledger)")
 
 
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="greedy completions of a causal-lm run's base model and its tuned one, side by side",
+        description="Rebuild a completed causal-lm run's model from its config.json, then complete each --prompt "
+        "greedily (formatted as training formatted prompts) with the model the clusters started from and with the "
+        "run's final weights (adapter.safetensors, or model.safetensors for task.exchange=full): what federated "
+        "tuning changed.",
+    )
+    p.add_argument("run_dir", metavar="RUN_FOLDER", help="a completed causal-lm run folder written by nebula-fl run")
+    p.add_argument("--prompt", action="append", required=True, metavar="TEXT",
+                   help="a prompt to complete (the instruction, as in training); repeatable")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                   help="new tokens per completion at most, 1 to 1024 (default 64); a completion also ends at the "
+                   "end-of-sequence token")
+    p.add_argument("--model", metavar="PATH",
+                   help="where the run's base model is now (a model folder or .gguf file), if it moved since the run")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, or auto (the first GPU if any)")
+    p.add_argument("--json", action="store_true", help="print the completions (text, token ids) as JSON")
+
+
 def _add_certs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "certs",
@@ -210,6 +231,29 @@ def _privacy_report(args: argparse.Namespace) -> int:
     if is_cluster_state(Path(args.run_dir).expanduser()):
         return cluster_report_main(args.run_dir, Console(highlight=False))
     return privacy_report_main(args.run_dir, Console(highlight=False))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import os
+
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:  # a log or a pipe: wide enough that a completion is not folded into a column
+        console = Console(highlight=False, width=160)
+    # read when tqdm loads: a GGUF model's loading bar is noise over a table (restored: children must not inherit it)
+    before = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        from nebula_fl.generation import generate_main
+
+        return generate_main(args.run_dir, prompts=args.prompt, max_new_tokens=args.max_new_tokens, model=args.model,
+                             device=args.device, as_json=args.json, console=console)
+    finally:
+        if before is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = before
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -286,6 +330,7 @@ def parser() -> argparse.ArgumentParser:
     _add_run(sub)
     _add_trainer(sub)
     _add_privacy_report(sub)
+    _add_generate(sub)
     _add_certs(sub)
     _add_identity(sub)
     return top
@@ -294,7 +339,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return {"run": _run, "trainer": _trainer, "privacy-report": _privacy_report,
+        return {"run": _run, "trainer": _trainer, "privacy-report": _privacy_report, "generate": _generate,
                 "certs": _certs, "identity": _identity}[args.command](args)
     except NebulaError as err:
         print(f"nebula-fl: error: {err}", file=sys.stderr)
