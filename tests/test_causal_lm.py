@@ -348,7 +348,7 @@ def test_the_split_keeps_every_answer_and_dirichlet_skews_clusters_by_answer():
     assert gap(iid) < 0.15 < 0.4 < gap(skewed), (gap(iid), gap(skewed))
 
 
-def test_plain_text_splits_and_partitions_without_strata(tmp_path):
+def test_plain_text_is_split_and_dealt_evenly_whatever_the_partition(tmp_path):
     from nebula_fl.config import DataConfig
     from nebula_fl.data.datasets import cluster_shard, train_test_split
 
@@ -356,8 +356,9 @@ def test_plain_text_splits_and_partitions_without_strata(tmp_path):
     cfg = DataConfig(dataset=str(tmp_path / "t.txt"), test_fraction=0.25, partition="dirichlet:0.5")
     train, test = train_test_split(cfg, seed=0, targets="text")
     assert (len(train), len(test)) == (30, 10) and set(train.texts).isdisjoint(test.texts)
-    shards = [cluster_shard(cfg, seed=0, cluster_id=c, num_clusters=2, targets="text") for c in (0, 1)]
-    assert sorted(shards[0].texts + shards[1].texts) == sorted(train.texts)
+    shards = [cluster_shard(cfg, seed=0, cluster_id=c, num_clusters=3, targets="text") for c in (0, 1, 2)]
+    assert sorted(t for s in shards for t in s.texts) == sorted(train.texts)
+    assert [len(s) for s in shards] == [10, 10, 10]  # no answer to skew by: dealt evenly, never a cluster left empty
 
 
 def test_plus_joined_names_concatenate_records(tmp_path):
