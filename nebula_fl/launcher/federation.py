@@ -114,6 +114,16 @@ class Federation:
         self.restart_due: dict[str, float] = {}  # dead service -> when it is started again
         self.resumed_after = 0  # the round of the checkpoint a resumed run continues from
 
+    def _headline(self, summary: dict) -> dict:
+        """The task's headline metric and its last value, for a summary the ServerApp stopped before writing (so
+        a stopped causal-lm run reports its loss, not a classifier's missing accuracy)."""
+        if "metric" in summary:
+            return {}
+        metric = resolve(self.plan.config).task.metric
+        rounds = self.folder.rounds()
+        return {"task": self.plan.config.task.name, "metric": metric,
+                "final_metric": rounds[-1].get(metric) if rounds else None}
+
     def run(self) -> int:
         """Launch, follow and stop the federation; returns the process exit status."""
         plan = self.plan
@@ -156,7 +166,8 @@ class Federation:
             elif summary.get("status") in (None, "running"):
                 status = "interrupted" if outcome == "interrupted" else "failed"
                 summary = self.folder.update_summary(
-                    status=status, error=error or summary.get("error") or "the ServerApp stopped before the end"
+                    status=status, error=error or summary.get("error") or "the ServerApp stopped before the end",
+                    **self._headline(summary),
                 )
         print_summary(self.console, self.folder.rounds(), summary, str(self.folder.path))
         if summary.get("status") == "completed":

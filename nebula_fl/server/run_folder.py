@@ -8,11 +8,16 @@ adapter are on disk, so a run that did not finish never claims to have. A round 
 checkpoint is; metrics lines of rounds past the last checkpoint are dropped on resume, so no round is
 counted twice. The two newest checkpoints are kept, each sealed by a manifest (server/checkpoint.py),
 so a damaged newest one is reported, never loaded, and the run can rewind to the one before.
+
+Every JSON file here is strict JSON: a metric that has no value (NaN, e.g. the causal-lm task's exact match on
+plain text) is written as null, as a metric a task does not report is, never as the bare ``NaN`` that other
+readers (jq, JavaScript, pandas' strict mode) refuse.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -52,10 +57,26 @@ LATEST = "latest"
 STATUSES = ("running", "completed", "failed", "interrupted")
 
 
+def finite(obj: Any) -> Any:
+    """`obj` with every NaN or infinite float (at any depth of dicts, lists and tuples) replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any, **options: Any) -> str:
+    """Strict JSON of `obj`, a value-less metric (NaN) as null."""
+    return json.dumps(finite(obj), allow_nan=False, **options)
+
+
 def write_json(path: Path, obj: Any) -> None:
     """Write `obj` as `path` the way checkpoints are: a crash leaves the old file or the new one, never a torn one,
     and the rename itself survives a power loss (summary.json's status is what says whether the run finished)."""
-    write_durably(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+    write_durably(path, (dumps(obj, indent=2, sort_keys=False) + "\n").encode())
     fsync_dir(path.parent)
 
 
@@ -108,14 +129,14 @@ class RunFolder:
 
     def append_round(self, line: dict[str, Any]) -> None:
         with (self.path / METRICS).open("a") as handle:
-            handle.write(json.dumps(line) + "\n")
+            handle.write(dumps(line) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
 
     def truncate_rounds(self, last_round: int) -> None:
         """Keep the metrics of rounds 1..last_round, each once (the last line written for it)."""
         by_round = {line["round"]: line for line in self.rounds() if line.get("round", 0) <= last_round}
-        write_durably(self.path / METRICS, "".join(json.dumps(by_round[r]) + "\n" for r in sorted(by_round)).encode())
+        write_durably(self.path / METRICS, "".join(dumps(by_round[r]) + "\n" for r in sorted(by_round)).encode())
         fsync_dir(self.path)
 
     # -- checkpoints -----------------------------------------------------------------------------

@@ -299,7 +299,8 @@ class CausalLMTask(Task):
 
         targets = lora_targets(model, setup.model)
         lora = LoraConfig(task_type=TaskType.CAUSAL_LM, r=setup.model.lora_r, lora_alpha=setup.model.lora_alpha,
-                          lora_dropout=setup.model.lora_dropout, target_modules=targets)
+                          lora_dropout=setup.model.lora_dropout,  # PEFT reads 'all-linear' only as a bare string
+                          target_modules="all-linear" if targets == ["all-linear"] else targets)
         peft = get_peft_model(model, lora)
         if lora_mode(requested=setup.model.lora_mode, privacy_mode=setup.privacy_mode) == "frozen-a":
             freeze_shared_a(peft, seed=setup.seed)
