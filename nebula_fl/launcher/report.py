@@ -20,7 +20,12 @@ def human_bytes(n: float | None) -> str:
 
 
 def _fmt(value: Any, spec: str = ".4f") -> str:
-    return "-" if value is None else format(value, spec)
+    """A metric as the table shows it; a count (a whole number of 10 or more, e.g. tokens scored) without decimals."""
+    if value is None:
+        return "-"
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 10:
+        return f"{value:.0f}"
+    return format(value, spec)
 
 
 LEGACY_METRICS = ("accuracy", "macro_f1", "loss", "perplexity")  # rounds recorded before rows named their metrics
