@@ -230,7 +230,7 @@ class CausalLMTask(Task):
         # with topic-skewed data, sized to take minutes on 2 cores.
         "demo": {
             "model": "smollm2", "dataset": "bbcnews", "max-examples": 600, "max-seq-len": 96,
-            "partition": "dirichlet:1.0", "num-clusters": 2, "local-steps": 10, "batch-size": 4,
+            "partition": "dirichlet:1.0", "local-steps": 10, "batch-size": 4,
             "num-server-rounds": 4, "lr": 5e-4, "eval-batch-size": 16, "lora-target-modules": "q_proj,v_proj",
         },
     }
