@@ -80,7 +80,7 @@ class Mode:
 
 
 DEMO = CausalLMTask.presets["demo"]
-QUICK = Mode(rounds=3, local_steps=6, max_examples=400, test_fraction=0.15)
+QUICK = Mode(rounds=3, local_steps=5, max_examples=300, test_fraction=0.2)  # 240 train, 60 held out
 FULL_MODE = Mode(rounds=int(DEMO["num-server-rounds"]), local_steps=int(DEMO["local-steps"]),
                  max_examples=int(DEMO["max-examples"]), test_fraction=0.2)
 
@@ -306,11 +306,15 @@ def main() -> int:
     common = {"seed": args.seed, "partition": args.partition}
     runs[FEDERATED] = run_nebula(FEDERATED, nebula_command(mode, clusters=args.clusters, link=args.wan, **common),
                                  out=out, console=console)
+    write_results(out, runs, name="runs.json")  # what ran so far, if a later run fails
     runs[CENTRALIZED] = run_nebula(CENTRALIZED, nebula_command(centralized_mode(mode, clusters=args.clusters),
                                                                clusters=1, **common), out=out, console=console)
+    write_results(out, runs, name="runs.json")
     runs[chain_run] = run_nebula(chain_run, nebula_command(mode, clusters=args.clusters, codec=args.codec,
                                                            link=args.wan, **common), out=out, console=console)
+    write_results(out, runs, name="runs.json")
     runs[FLOWER] = run_stock(cfg, clusters=args.clusters, link=args.wan, out=out, console=console)
+    write_results(out, runs, name="runs.json")
     for name, run in runs.items():
         console.print(f"{name}: " + " | ".join(f"r{p['round']} loss {p['loss']:.4f} EM {p['exact-match']:.3f}"
                                                for p in run["curve"]) + f" ({run['wall_seconds']:.0f} s)")
