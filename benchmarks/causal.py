@@ -25,8 +25,8 @@ nebula-fl's with `--codec none`, as benchmarks/comm.py counts them (the proxies'
 polling included, mean over rounds >= 1 and clusters), and `bytes_ratio_vs_flower_lora_compressed` with the
 chain. Goals are judged as measured; the settings were fixed before the runs, never tuned to a result.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/causal.py --quick   # 4 runs, <= 20 min on 2 idle cores
-    PYTHONPATH=. .venv/bin/python benchmarks/causal.py           # the task's demo sizes: 600 examples, 4 x 10 steps
+    .venv/bin/python benchmarks/causal.py --quick   # 4 runs, 3 rounds x 5 steps, 300 examples: <= 20 min on 2 idle cores
+    .venv/bin/python benchmarks/causal.py           # the demo preset's sizes: 600 examples, 4 rounds x 10 steps
 
 Writes results.json (the command, the model, the settings, every run's per-round curve and bytes), causal.png
 (held-out loss and exact match per round) and prints a table; keeps every run's folder and log.
@@ -231,6 +231,7 @@ def plot(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=120)
     for name in (CENTRALIZED, FEDERATED, results["chain_run"]):
@@ -242,6 +243,7 @@ def plot(results: dict, path: Path) -> None:
     right.set_ylabel("held-out exact match (%)")
     for ax in (left, right):
         ax.set_xlabel("round (0: the pretrained model, zero-shot)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     f = results["figures"]
