@@ -317,6 +317,14 @@ def main() -> int:
     write_results(out, runs, name="runs.json")
     runs[FLOWER] = run_stock(cfg, clusters=args.clusters, link=args.wan, out=out, console=console)
     write_results(out, runs, name="runs.json")
+    report(runs, args=args, mode=mode, cfg=cfg, out=out, wall_seconds=time.monotonic() - started, console=console)
+    return 0
+
+
+def report(runs: dict[str, dict], *, args: argparse.Namespace, mode: Mode, cfg: RunConfig, out: Path,
+           wall_seconds: float, console: Console) -> dict:
+    """results.json, the PNG and the tables from the four runs' records."""
+    chain_run = f"{FEDERATED}-{args.codec}"
     for name, run in runs.items():
         console.print(f"{name}: " + " | ".join(f"r{p['round']} loss {p['loss']:.4f} EM {p['exact-match']:.3f}"
                                                for p in run["curve"]) + f" ({run['wall_seconds']:.0f} s)")
@@ -341,7 +349,7 @@ def main() -> int:
                      "eval_initial": True},
         "config": cfg.to_flat(), "chain_run": chain_run, "figures": values, "goals": goals,
         "goals_met": all(g["met"] for g in goals.values()),
-        "wall_seconds": time.monotonic() - started, "machine": machine(), "runs": runs,
+        "wall_seconds": wall_seconds, "machine": machine(), "runs": runs,
     }
     write_results(out, results)
     plot(results, out / "causal.png")
@@ -349,7 +357,7 @@ def main() -> int:
     console.print(goals_table(results))
     console.print(f"goals met: {'yes' if results['goals_met'] else 'NO'}; {results['wall_seconds'] / 60:.1f} min; "
                   f"results: {out / 'results.json'}")
-    return 0
+    return results
 
 
 def _test_records(cfg: RunConfig) -> int:
