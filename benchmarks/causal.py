@@ -185,10 +185,11 @@ def judge(values: dict[str, float | None]) -> dict[str, dict[str, Any]]:
 def run_nebula(name: str, args_: list[str], *, out: Path, console: Console) -> dict:
     folder = out / name.replace(":", "-")
     console.print(f"{name}: nebula_fl run {shlex.join(args_)} --out {folder}")
+    load = os.getloadavg()[0]  # other work on the box slows a run, never changes its figures but wall_seconds
     started = time.monotonic()
     summary, lines = run_federation(args_, folder=folder, log=out / f"{folder.name}.log")
     return {"system": "nebula-fl", "command": ["nebula-fl", "run", *args_, "--out", str(folder)],
-            "wall_seconds": time.monotonic() - started, "folder": str(folder),
+            "wall_seconds": time.monotonic() - started, "load_average_at_start": load, "folder": str(folder),
             "curve": curve(summary.get("initial_evaluation"), lines),
             "examples_seen": sum(c.get("examples_seen", 0) for line in lines for c in line["clusters"].values()),
             "steps": sum(c.get("steps", 0) for line in lines for c in line["clusters"].values()),
@@ -199,6 +200,7 @@ def run_nebula(name: str, args_: list[str], *, out: Path, console: Console) -> d
 def run_stock(cfg: RunConfig, *, clusters: int, link: str, out: Path, console: Console) -> dict:
     folder = out / FLOWER
     console.print(f"{FLOWER}: stock Flower FedAvg on the PEFT adapter, {folder}")
+    load = os.getloadavg()[0]
     started = time.monotonic()
     try:
         with StockFederation(app=STOCK_APP, folder=folder, clusters=clusters, link=link) as fed:
@@ -213,7 +215,8 @@ def run_stock(cfg: RunConfig, *, clusters: int, link: str, out: Path, console: C
     initial = lines[0] if lines and lines[0]["round"] == 0 else None
     rounds = [line for line in lines if line["round"] >= 1]
     return {"system": "flower", "command": ["flwr", "run", str(STOCK_APP), "local", "--run-config", config],
-            "wall_seconds": time.monotonic() - started, "folder": str(folder), "curve": curve(initial, rounds),
+            "wall_seconds": time.monotonic() - started, "load_average_at_start": load, "folder": str(folder),
+            "curve": curve(initial, rounds),
             "bytes_per_round_per_cluster": bytes_per_round(rounds)}
 
 
@@ -341,7 +344,7 @@ def report(runs: dict[str, dict], *, args: argparse.Namespace, mode: Mode, cfg: 
                   "lora_target_modules": cfg.model.lora_target_modules, "lora_r": cfg.model.lora_r},
         "settings": {"rounds": mode.rounds, "local_steps": mode.local_steps,
                      "centralized_local_steps": args.clusters * mode.local_steps, "max_examples": mode.max_examples,
-                     "test_fraction": mode.test_fraction, "held_out_records_with_short_answers": test_records,
+                     "test_fraction": mode.test_fraction, "held_out_records": test_records,
                      "clusters": args.clusters, "partition": args.partition, "seed": args.seed,
                      "batch_size": cfg.train.batch_size, "lr": cfg.train.lr, "lr_schedule": cfg.train.lr_schedule,
                      "max_seq_len": cfg.model.max_seq_len, "eval_batch_size": cfg.federation.eval_batch_size,
@@ -361,7 +364,8 @@ def report(runs: dict[str, dict], *, args: argparse.Namespace, mode: Mode, cfg: 
 
 
 def _test_records(cfg: RunConfig) -> int:
-    """Held-out records that count towards exact match (the resolution of exact match: one record's worth)."""
+    """Held-out records (the instruction view's answers are one-word topics: every record counts towards exact match,
+    so one record is the resolution of exact match)."""
     from nebula_fl.data.datasets import train_test_split
 
     _, test = train_test_split(cfg.data, seed=cfg.federation.seed, targets="text")
