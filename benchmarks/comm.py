@@ -324,7 +324,8 @@ def _figures(configs: dict[str, dict], *, best: str, target: float) -> dict[str,
 
 # -- run records from what each run leaves in its folder ---------------------------------------------
 def records_from_lines(lines: list[dict]) -> list[dict]:
-    """Per-round records from metrics.jsonl lines (nebula-fl's or the stock app's: the same fields)."""
+    """Per-round records from metrics.jsonl lines (nebula-fl's or the stock app's: the same fields; accuracy None
+    for a task without one, e.g. causal-lm: benchmarks/causal.py counts bytes with this too)."""
     rounds = []
     for line in lines:
         clusters = [
@@ -332,7 +333,7 @@ def records_from_lines(lines: list[dict]) -> list[dict]:
              "push_objects": c.get("wan_push_objects", 0), "pull_objects": c.get("wan_pull_objects", 0)}
             for _, c in sorted((line.get("clusters") or {}).items()) if "wan_bytes_up" in c
         ]
-        rounds.append({"round": line["round"], "accuracy": line["accuracy"], "elapsed_s": line["elapsed_seconds"],
+        rounds.append({"round": line["round"], "accuracy": line.get("accuracy"), "elapsed_s": line["elapsed_seconds"],
                        "seconds": line["seconds"], "wan_bytes_cum": line.get("cumulative_wan_bytes"),
                        "clusters": clusters, "wire_s": max((c["wan_wire_seconds"] for c in (line.get("clusters") or {})
                                                             .values() if "wan_wire_seconds" in c), default=None)})

@@ -13,6 +13,10 @@ the ArrayRecord, and a ClientApp that builds the model and loads its data shard 
   very algorithm nebula-fl runs with `--outer-optimizer fedavg` and `--codec none`. One thing differs
   by construction: a stock ClientApp is stateless, so AdamW's moments start afresh every round
   (nebula-fl's persistent trainer keeps them).
+- `task = "causal-lm"` (with `mode = "lora"`): the same, for nebula-fl's causal-lm task (benchmarks/causal.py):
+  the decoder, its PEFT adapter, the instruction records, the loss and the evaluation are the task's own
+  (`nebula_fl.tasks`, default `task.*` options), so the adapter that crosses the WAN is exactly the one
+  nebula-fl exchanges.
 
 Data split, model, inner loop (`train_steps`, `BatchSchedule` continued across rounds) and server-side
 evaluation (every round, round 0 included, torch's default threads) are nebula-fl's own, so the
@@ -52,10 +56,12 @@ from nebula_fl.model.evaluation import evaluate
 from nebula_fl.model.loading import build_classifier, build_model, load_tokenizer
 from nebula_fl.model.locate import resolve_model_path
 from nebula_fl.server.wan_counters import WanCounters
+from nebula_fl.tasks import Task, TaskSetup, make_task
 from nebula_fl.training import BatchSchedule, scheduled_lr, train_steps
 
 POLL_S = 0.2  # nebula-fl's loop polls for replies every 0.2 s (strategies/base.py); Flower's grid every 3 s
 MODES = ("full", "lora")
+TASKS = ("classify", "causal-lm")
 
 server = ServerApp()
 client = ClientApp()
@@ -113,6 +119,20 @@ def _mode(cfg) -> str:
     return mode
 
 
+def _lm(cfg) -> tuple[Task, TaskSetup] | None:
+    """The causal-lm task and its setup (default `task.*` options), or None for classification."""
+    name = str(cfg["task"])
+    if name not in TASKS:
+        raise ValueError(f"run config key 'task' is {name!r}; use one of {', '.join(TASKS)}")
+    if name == "classify":
+        return None
+    if _mode(cfg) != "lora":
+        raise ValueError(f"task {name!r} runs with mode 'lora' only; set mode=\"lora\"")
+    setup = TaskSetup(model=ModelConfig.from_flat(cfg), labels=[], seed=int(cfg["seed"]),
+                      path=resolve_model_path(str(cfg["model"])))
+    return make_task(name), setup
+
+
 def _build(cfg, *, num_labels: int) -> torch.nn.Module:
     """The model of this mode, seeded alike on server and clients (LoRA: nebula-fl's `build_model`)."""
     seed = int(cfg["seed"])
@@ -140,10 +160,17 @@ def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
     started = time.time()
     mode = _mode(cfg)
-    _, test = train_test_split(DataConfig.from_flat(cfg), seed=int(cfg["seed"]))
-    model = _build(cfg, num_labels=len(test.label_names))
-    path = resolve_model_path(str(cfg["model"]))
-    data = TokenizedTexts(load_tokenizer(path), test.texts, test.labels, max_len=int(cfg["max-seq-len"]))
+    lm = _lm(cfg)
+    _, test = train_test_split(DataConfig.from_flat(cfg), seed=int(cfg["seed"]), targets="text" if lm else "classes")
+    if lm:
+        task, setup = lm
+        model = task.build_model(setup)
+        data = task.examples(setup=setup, tokenizer=task.tokenizer(setup), texts=test.texts, labels=test.labels,
+                             train=False)
+    else:
+        model = _build(cfg, num_labels=len(test.label_names))
+        path = resolve_model_path(str(cfg["model"]))
+        data = TokenizedTexts(load_tokenizer(path), test.texts, test.labels, max_len=int(cfg["max-seq-len"]))
     out = Path(str(cfg["out-dir"]))
     out.mkdir(parents=True, exist_ok=True)
     log = out / "metrics.jsonl"
@@ -152,7 +179,10 @@ def main(grid: Grid, context: Context) -> None:
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         _load_record(model, arrays, mode)
-        metrics = evaluate(model, data, batch_size=int(cfg["eval-batch-size"]), num_classes=len(test.label_names))
+        if lm:
+            metrics = lm[0].evaluate(model, data, batch_size=int(cfg["eval-batch-size"]))
+        else:
+            metrics = evaluate(model, data, batch_size=int(cfg["eval-batch-size"]), num_classes=len(test.label_names))
         now = time.time()
         line: dict[str, Any] = {"round": server_round, **metrics, "elapsed_seconds": now - started,
                                 "seconds": now - last["time"], "time": now}
@@ -183,12 +213,21 @@ def train(msg: Message, context: Context) -> Message:
     mode = _mode(cfg)
     torch.set_num_threads(int(cfg["threads"]))
     seed, cid = int(cfg["seed"]), int(context.node_config["partition-id"])
+    lm = _lm(cfg)
     shard = cluster_shard(DataConfig.from_flat(cfg), seed=seed, cluster_id=cid,
-                          num_clusters=int(context.node_config["num-partitions"]))
-    model = _build(cfg, num_labels=len(shard.label_names))
+                          num_clusters=int(context.node_config["num-partitions"]), targets="text" if lm else "classes")
+    loss_fn: dict[str, Any] = {}
+    if lm:
+        task, setup = lm
+        model = task.build_model(setup)
+        data = task.examples(setup=setup, tokenizer=task.tokenizer(setup), texts=shard.texts, labels=shard.labels,
+                             train=True)
+        loss_fn["loss_fn"] = task.loss
+    else:
+        model = _build(cfg, num_labels=len(shard.label_names))
+        path = resolve_model_path(str(cfg["model"]))
+        data = TokenizedTexts(load_tokenizer(path), shard.texts, shard.labels, max_len=int(cfg["max-seq-len"]))
     _load_record(model, msg.content["arrays"], mode)
-    path = resolve_model_path(str(cfg["model"]))
-    data = TokenizedTexts(load_tokenizer(path), shard.texts, shard.labels, max_len=int(cfg["max-seq-len"]))
     rnd = int(msg.content["config"]["server-round"])
     train_cfg = TrainConfig.from_flat(cfg)
     steps = train_cfg.local_steps
@@ -208,7 +247,7 @@ def train(msg: Message, context: Context) -> Message:
         optimizer = torch.optim.AdamW(params, lr=float(cfg["full-lr"]))
         lr_at = None
     losses = train_steps(model, optimizer, data, schedule, steps=steps, max_grad_norm=train_cfg.max_grad_norm,
-                         device=torch.device("cpu"), lr_at=lr_at)
+                         device=torch.device("cpu"), lr_at=lr_at, **loss_fn)
     content = RecordDict({
         "arrays": _to_record(model, mode),
         "metrics": MetricRecord({"num-examples": len(shard), "train-loss": float(sum(losses) / len(losses))}),
