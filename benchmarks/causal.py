@@ -12,6 +12,10 @@ server evaluates the same held-out split before round 1, the zero-shot model, an
                         local-steps = clusters x the federation's, the same rounds: the same number of examples
                         seen, evaluated at the same points; under FedAvg one cluster's round is plain training
                         (the adapter comes back as it went up, and the trainer keeps AdamW's moments);
+  2b. `data-parallel`   one cluster holding all of the training data with the federation's local steps at clusters
+                        x its batch size: the same examples seen in as many sequential steps as one federated
+                        cluster takes, i.e. what pooling the data and the clusters' hardware (one step's batch split
+                        across them) would train;
   3. `federated-CHAIN`  as 1 with `--codec CHAIN` (default topk:0.25+int4): what compression costs in loss and
                         exact match, and what it saves in bytes;
   4. `flower-lora`      stock Flower FedAvg over the same PEFT adapter through its ArrayRecord path
@@ -19,13 +23,13 @@ server evaluates the same held-out split before round 1, the zero-shot model, an
 
 Figures (results.json): `loss_gap_relative` = (federated - centralized) / centralized held-out loss per learned
 token after the last round (goal <= 0.02); `exact_match_gap_points` = 100 x (centralized - federated) exact match
-(goal <= 1 point; one held-out record with a short answer is 100 / that many points, stated as
+(goal <= 1 point); the same two against `data-parallel` (`..._vs_data_parallel`, the same goals; one held-out record with a short answer is 100 / that many points, stated as
 `exact_match_resolution_points`); `bytes_ratio_vs_flower_lora` = stock Flower's WAN bytes per round per cluster /
 nebula-fl's with `--codec none`, as benchmarks/comm.py counts them (the proxies' counts, both ways, HTTP and
 polling included, mean over rounds >= 1 and clusters), and `bytes_ratio_vs_flower_lora_compressed` with the
 chain. Goals are judged as measured; the settings were fixed before the runs, never tuned to a result.
 
-    .venv/bin/python benchmarks/causal.py --quick   # 4 runs, 3 rounds x 5 steps, 300 examples: <= 20 min on 2 idle cores
+    .venv/bin/python benchmarks/causal.py --quick   # 5 runs, 3 rounds x 5 steps, 300 examples: <= 20 min on 2 idle cores
     .venv/bin/python benchmarks/causal.py           # the demo preset's sizes: 600 examples, 4 rounds x 10 steps
 
 Writes results.json (the command, the model, the settings, every run's per-round curve and bytes), causal.png
@@ -55,10 +59,12 @@ from nebula_fl.tasks.causal_lm import CausalLMTask
 
 HERE = Path(__file__).resolve().parent
 STOCK_APP = HERE / "stock_flower"
-FEDERATED, CENTRALIZED, FLOWER = "federated", "centralized", "flower-lora"
+FEDERATED, CENTRALIZED, DATA_PARALLEL, FLOWER = "federated", "centralized", "data-parallel", "flower-lora"
 GOALS: dict[str, tuple[str, float]] = {
     "loss_gap_relative": ("<=", 0.02),
     "exact_match_gap_points": ("<=", 1.0),
+    "loss_gap_relative_vs_data_parallel": ("<=", 0.02),
+    "exact_match_gap_points_vs_data_parallel": ("<=", 1.0),
 }
 MODEL_NOTE = "SmolLM2-135M-Instruct (shipped GGUF, pretrained), LoRA on q_proj,v_proj"
 
@@ -95,13 +101,14 @@ def run_config(mode: Mode, *, partition: str, seed: int) -> RunConfig:
 
 
 def nebula_command(mode: Mode, *, clusters: int, seed: int, partition: str, codec: str = "none",
-                   link: str | None = None) -> list[str]:
+                   link: str | None = None, batch_size: int | None = None) -> list[str]:
     """`nebula-fl run` arguments: the task's demo preset (model, LoRA, batch size, learning rate, sequence length)
     with this mode's rounds, local steps and data, every round evaluated, round 0 included."""
     cmd = ["--task", "causal-lm", "--preset", "demo", "--clusters", str(clusters), "--rounds", str(mode.rounds),
            "--local-steps", str(mode.local_steps), "--seed", str(seed), "--port", "0", "--outer-optimizer", "fedavg",
            "--codec", codec, "--partition", partition, "--run-config",
-           f"max-examples={mode.max_examples} test-fraction={mode.test_fraction} eval-initial=true"]
+           f"max-examples={mode.max_examples} test-fraction={mode.test_fraction} eval-initial=true"
+           + (f" batch-size={batch_size}" if batch_size else "")]
     return cmd + (["--wan", link] if link else [])
 
 
@@ -161,6 +168,11 @@ def figures(runs: dict[str, dict], *, chain_run: str) -> dict[str, float | None]
         "bytes_ratio_vs_flower_lora_compressed": None, "loss_cost_relative_compressed": None,
         "exact_match_cost_points_compressed": None,
     }
+    if DATA_PARALLEL in runs:
+        out["loss_gap_relative_vs_data_parallel"] = ((last[FEDERATED]["loss"] - last[DATA_PARALLEL]["loss"])
+                                                     / last[DATA_PARALLEL]["loss"])
+        out["exact_match_gap_points_vs_data_parallel"] = 100.0 * (last[DATA_PARALLEL]["exact-match"]
+                                                                  - last[FEDERATED]["exact-match"])
     if chain is not None:
         out["bytes_ratio_vs_flower_lora_compressed"] = ratio(runs.get(FLOWER, {}).get("bytes_per_round_per_cluster"),
                                                              chain.get("bytes_per_round_per_cluster"))
@@ -237,7 +249,9 @@ def plot(results: dict, path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=120)
-    for name in (CENTRALIZED, FEDERATED, results["chain_run"]):
+    for name in (CENTRALIZED, DATA_PARALLEL, FEDERATED, results["chain_run"]):
+        if name not in results["runs"]:
+            continue
         points = results["runs"][name]["curve"]
         rounds = [p["round"] for p in points]
         left.plot(rounds, [p["loss"] for p in points], marker="o", label=name)
@@ -291,7 +305,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK.rounds} rounds x {QUICK.local_steps} steps on {QUICK.max_examples} examples: "
-                             "the 4 runs in <= 20 min on 2 idle cores")
+                             "the 5 runs in <= 20 min on 2 idle cores")
     parser.add_argument("--clusters", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--partition", default=str(DEMO["partition"]))
@@ -315,6 +329,10 @@ def main() -> int:
     runs[CENTRALIZED] = run_nebula(CENTRALIZED, nebula_command(centralized_mode(mode, clusters=args.clusters),
                                                                clusters=1, **common), out=out, console=console)
     write_results(out, runs, name="runs.json")
+    runs[DATA_PARALLEL] = run_nebula(DATA_PARALLEL, nebula_command(mode, clusters=1, batch_size=args.clusters
+                                                                   * int(cfg.train.batch_size), **common),
+                                     out=out, console=console)
+    write_results(out, runs, name="runs.json")
     runs[chain_run] = run_nebula(chain_run, nebula_command(mode, clusters=args.clusters, codec=args.codec,
                                                            link=args.wan, **common), out=out, console=console)
     write_results(out, runs, name="runs.json")
@@ -326,14 +344,15 @@ def main() -> int:
 
 def report(runs: dict[str, dict], *, args: argparse.Namespace, mode: Mode, cfg: RunConfig, out: Path,
            wall_seconds: float, console: Console) -> dict:
-    """results.json, the PNG and the tables from the four runs' records."""
+    """results.json, the PNG and the tables from the runs' records."""
     chain_run = f"{FEDERATED}-{args.codec}"
     for name, run in runs.items():
         console.print(f"{name}: " + " | ".join(f"r{p['round']} loss {p['loss']:.4f} EM {p['exact-match']:.3f}"
                                                for p in run["curve"]) + f" ({run['wall_seconds']:.0f} s)")
-    if runs[CENTRALIZED].get("examples_seen") != runs[FEDERATED].get("examples_seen"):
-        console.print(f"[bold yellow]WARNING: examples seen differ: centralized {runs[CENTRALIZED].get('examples_seen')}"
-                      f", federated {runs[FEDERATED].get('examples_seen')}[/]")
+    for name in (CENTRALIZED, DATA_PARALLEL):
+        if name in runs and runs[name].get("examples_seen") != runs[FEDERATED].get("examples_seen"):
+            console.print(f"[bold yellow]WARNING: examples seen differ: {name} {runs[name].get('examples_seen')}, "
+                          f"federated {runs[FEDERATED].get('examples_seen')}[/]")
     values = figures(runs, chain_run=chain_run)
     test_records = _test_records(cfg)
     values["exact_match_resolution_points"] = 100.0 / test_records if test_records else None
@@ -343,7 +362,8 @@ def report(runs: dict[str, dict], *, args: argparse.Namespace, mode: Mode, cfg: 
         "model": {"name": "smollm2", "what": MODEL_NOTE, "pretrained": True, "task": "causal-lm",
                   "lora_target_modules": cfg.model.lora_target_modules, "lora_r": cfg.model.lora_r},
         "settings": {"rounds": mode.rounds, "local_steps": mode.local_steps,
-                     "centralized_local_steps": args.clusters * mode.local_steps, "max_examples": mode.max_examples,
+                     "centralized_local_steps": args.clusters * mode.local_steps,
+                     "data_parallel_batch_size": args.clusters * cfg.train.batch_size, "max_examples": mode.max_examples,
                      "test_fraction": mode.test_fraction, "held_out_records": test_records,
                      "clusters": args.clusters, "partition": args.partition, "seed": args.seed,
                      "batch_size": cfg.train.batch_size, "lr": cfg.train.lr, "lr_schedule": cfg.train.lr_schedule,

@@ -32,6 +32,11 @@ def test_the_centralized_run_takes_clusters_times_the_steps_over_the_same_rounds
     assert "eval-initial=true" in _flag(fed, "--run-config") and "--wan" not in cen
     # every side parses as a real nebula-fl config: the run's keys are known and valid
     RunConfig().replace(parse_config_args([_flag(fed, "--run-config")]))
+    # the data-parallel baseline: the federation's steps, one cluster, the clusters' batches in one
+    par = causal.nebula_command(mode, clusters=1, seed=3, partition="dirichlet:1.0", batch_size=8)
+    assert _flag(par, "--clusters") == "1" and _flag(par, "--local-steps") == _flag(fed, "--local-steps")
+    parsed = RunConfig().replace(parse_config_args([_flag(par, "--run-config")]))
+    assert parsed.train.batch_size == 8 and parsed.data.max_examples == mode.max_examples
 
 
 def test_the_stock_run_config_is_the_nebula_runs_and_every_key_is_one_the_app_declares(tmp_path):
@@ -69,6 +74,7 @@ def _run(points, per_round=None):
 def test_the_figures_are_the_stated_arithmetic_and_goals_are_judged_as_measured():
     runs = {causal.FEDERATED: _run([(0, 3.0, 0.1), (1, 1.03, 0.80)], per_round=2_000.0),
             causal.CENTRALIZED: _run([(0, 3.0, 0.1), (1, 1.00, 0.82)]),
+            causal.DATA_PARALLEL: _run([(0, 3.0, 0.1), (1, 1.25, 0.70)]),
             "federated-topk": _run([(0, 3.0, 0.1), (1, 1.133, 0.75)], per_round=500.0),
             causal.FLOWER: _run([(0, 3.0, 0.1), (1, 1.1, 0.7)], per_round=8_000.0)}
     f = causal.figures(runs, chain_run="federated-topk")
@@ -79,8 +85,11 @@ def test_the_figures_are_the_stated_arithmetic_and_goals_are_judged_as_measured(
     assert f["loss_cost_relative_compressed"] == pytest.approx(0.1)
     assert f["exact_match_cost_points_compressed"] == pytest.approx(5.0)
     assert f["zero_shot_loss"] == 3.0 and f["zero_shot_exact_match"] == 0.1
+    assert f["loss_gap_relative_vs_data_parallel"] == pytest.approx(-0.176)
+    assert f["exact_match_gap_points_vs_data_parallel"] == pytest.approx(-10.0)
     goals = causal.judge(f)
     assert not goals["loss_gap_relative"]["met"] and not goals["exact_match_gap_points"]["met"]
+    assert goals["loss_gap_relative_vs_data_parallel"]["met"] and goals["exact_match_gap_points_vs_data_parallel"]["met"]
     runs[causal.FEDERATED] = _run([(0, 3.0, 0.1), (1, 0.99, 0.83)], per_round=2_000.0)  # the federation may win
     assert all(g["met"] for g in causal.judge(causal.figures(runs, chain_run="federated-topk")).values())
     assert not causal.judge({"loss_gap_relative": float("nan"), "exact_match_gap_points": None})["loss_gap_relative"][
