@@ -249,13 +249,15 @@ def plot(results: dict, path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=120)
-    for name in (CENTRALIZED, DATA_PARALLEL, FEDERATED, results["chain_run"]):
+    styles = {CENTRALIZED: ("o", "-"), DATA_PARALLEL: ("s", "--"), FEDERATED: ("^", "-"),
+              results["chain_run"]: ("D", ":")}  # data-parallel and federated nearly coincide: tell them apart
+    for name, (marker, line) in styles.items():
         if name not in results["runs"]:
             continue
         points = results["runs"][name]["curve"]
         rounds = [p["round"] for p in points]
-        left.plot(rounds, [p["loss"] for p in points], marker="o", label=name)
-        right.plot(rounds, [100.0 * p["exact-match"] for p in points], marker="o", label=name)
+        left.plot(rounds, [p["loss"] for p in points], marker=marker, linestyle=line, label=name)
+        right.plot(rounds, [100.0 * p["exact-match"] for p in points], marker=marker, linestyle=line, label=name)
     left.set_ylabel("held-out loss per learned token")
     right.set_ylabel("held-out exact match (%)")
     for ax in (left, right):
@@ -264,8 +266,12 @@ def plot(results: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     f = results["figures"]
-    fig.suptitle(f"{MODEL_NOTE}: loss gap {100 * f['loss_gap_relative']:+.1f}%, "
-                 f"exact-match gap {f['exact_match_gap_points']:+.1f} points", fontsize=9)
+    title = (f"{MODEL_NOTE}\nfederated vs centralized: loss gap {100 * f['loss_gap_relative']:+.1f}%, "
+             f"exact-match gap {f['exact_match_gap_points']:+.1f} points")
+    if f.get("loss_gap_relative_vs_data_parallel") is not None:
+        title += (f"; vs data-parallel: {100 * f['loss_gap_relative_vs_data_parallel']:+.1f}%, "
+                  f"{f['exact_match_gap_points_vs_data_parallel']:+.1f} points")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
