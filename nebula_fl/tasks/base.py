@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nebula_fl.config import PRIVACY_MODES, ModelConfig, Section
+from nebula_fl.config import PRIVACY_MODES, ModelConfig, Section, _int, _require
 from nebula_fl.data.datasets import TARGETS
 
 if TYPE_CHECKING:
@@ -207,6 +207,17 @@ class Task(ABC):
 
     def describe(self) -> dict[str, Any]:
         return {"task": self.name, "exchange": self.exchange, "metric": self.metric, **self.options.to_flat()}
+
+
+def check_sizes(*, layers: int, hidden: int, heads: int, intermediate: int) -> None:
+    """The ``task.*`` sizes of a transformer a task builds from scratch (mlm's BERT, causal-lm's Llama), checked
+    alike: a bad one fails on the server and every cluster with the same one-line error."""
+    _int("task.layers", layers, low=1, high=48, fix="use 1 to 48 layers")
+    _int("task.heads", heads, low=1, high=64, fix="use 1 to 64 heads")
+    _int("task.hidden", hidden, low=8, high=4096, fix="use a hidden size of 8 to 4096")
+    _require(hidden % heads == 0, "task.hidden", f"is {hidden}, not a multiple of task.heads ({heads})",
+             "make task.hidden a multiple of task.heads")
+    _int("task.intermediate", intermediate, low=8, high=16_384, fix="use a width of 8 to 16384")
 
 
 class GlobalWeights(Mapping[str, torch.Tensor]):

@@ -32,7 +32,7 @@ from torch import nn
 
 from nebula_fl.config import ModelConfig, Section, _int, _require
 from nebula_fl.errors import NebulaError
-from nebula_fl.tasks.base import EXCHANGES, Examples, Task, TaskSetup
+from nebula_fl.tasks.base import EXCHANGES, Examples, Task, TaskSetup, check_sizes
 
 if TYPE_CHECKING:
     from nebula_fl.privacy.sample_dp import PerExample
@@ -75,14 +75,9 @@ class CausalLMOptions(Section):
                                     ("objective", self.objective, OBJECTIVES), ("template", self.template, TEMPLATES)):
             _require(isinstance(value, str) and value in allowed, f"task.{key}", f"is {value!r}",
                      f"use one of {', '.join(allowed)}")
-        _int("task.layers", self.layers, low=1, high=48, fix="use 1 to 48 layers")
-        _int("task.heads", self.heads, low=1, high=64, fix="use 1 to 64 heads")
-        _int("task.hidden", self.hidden, low=8, high=4096, fix="use a hidden size of 8 to 4096")
-        _require(self.hidden % self.heads == 0, "task.hidden", f"is {self.hidden}, not a multiple of task.heads "
-                 f"({self.heads})", "make task.hidden a multiple of task.heads")
+        check_sizes(layers=self.layers, hidden=self.hidden, heads=self.heads, intermediate=self.intermediate)
         _require((self.hidden // self.heads) % 2 == 0, "task.hidden", f"/ task.heads is {self.hidden // self.heads}, "
                  "odd", "make the head size (hidden / heads) even: rotary embeddings rotate pairs")
-        _int("task.intermediate", self.intermediate, low=8, high=16_384, fix="use a width of 8 to 16384")
         _int("task.exact-match-tokens", self.exact_match_tokens, low=1, high=256, fix="use 1 to 256 tokens")
 
 

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from nebula_fl.config import Section, _int, _real, _require
-from nebula_fl.tasks.base import Examples, Task, TaskSetup
+from nebula_fl.config import Section, _real
+from nebula_fl.tasks.base import Examples, Task, TaskSetup, check_sizes
 
 EVAL_MASK_SEED = 20_231_114  # + setup.seed: the held-out masks, fixed for the whole run
 
@@ -47,12 +47,7 @@ class MLMOptions(Section):
     """Share of the non-special tokens that are masked (BERT: 0.15); in (0, 1)."""
 
     def __post_init__(self) -> None:
-        _int("task.layers", self.layers, low=1, high=48, fix="use 1 to 48 layers")
-        _int("task.heads", self.heads, low=1, high=64, fix="use 1 to 64 heads")
-        _int("task.hidden", self.hidden, low=8, high=4096, fix="use a hidden size of 8 to 4096")
-        _require(self.hidden % self.heads == 0, "task.hidden", f"is {self.hidden}, not a multiple of task.heads "
-                 f"({self.heads})", "make task.hidden a multiple of task.heads")
-        _int("task.intermediate", self.intermediate, low=8, high=16_384, fix="use a width of 8 to 16384")
+        check_sizes(layers=self.layers, hidden=self.hidden, heads=self.heads, intermediate=self.intermediate)
         _real("task.mask-prob", self.mask_prob, low=0, high=1, low_open=True, high_open=True,
               fix="use a probability strictly between 0 and 1 (BERT: 0.15)")
 
