@@ -103,3 +103,11 @@ def test_the_stock_app_refuses_an_unknown_task_and_a_full_model_decoder():
         app._lm({"task": "mlm", "mode": "lora"})
     with pytest.raises(ValueError, match="mode 'lora' only"):
         app._lm({"task": "causal-lm", "mode": "full"})
+
+
+def test_the_decoder_memory_model_is_the_readme_arithmetic():
+    memory = load_script("nebula_benchmarks_decoder_memory", REPO / "benchmarks" / "decoder_memory.py")
+    # SmolLM2-135M: 30 layers, hidden 576, MLP 1,536; Llama-3.2-1B: 16 layers, 2,048, 8,192 (README's figures)
+    assert memory.modelled_mb_per_token(layers=30, hidden=576, mlp=1536) == pytest.approx(1.362, abs=1e-3)
+    assert memory.modelled_mb_per_token(layers=16, hidden=2048, mlp=8192) == pytest.approx(3.25, abs=1e-3)
+    assert memory.modelled_mb_per_token(layers=16, hidden=2048, mlp=8192, bytes_per_value=2) == pytest.approx(1.625)
