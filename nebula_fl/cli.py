@@ -79,6 +79,9 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
         "rank 0 serves SOCKET for the SuperNode's ClientApp (--node-config 'trainer=\"SOCKET\"').",
     )
     p.add_argument("--socket", required=True, help="Unix socket path the ClientApp connects to")
+    p.add_argument("--socket-group", metavar="GROUP",
+                   help="a group (name or id) whose members may connect to the socket: the SuperNode's user, when the "
+                   "trainer runs as its own user (README: Deploying a cluster); default: this user only")
     p.add_argument("--cluster-id", type=int, default=0, help="this cluster's id (shown in the server's metrics)")
     p.add_argument("--workers", type=int, default=1, help="data-parallel workers (DDP ranks)")
     p.add_argument("--device", default="cpu",
@@ -139,6 +142,30 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
     data.add_argument("--targets", choices=("classes", "values", "text"), default="classes",
                       help="what the label column holds, as the run's task says (Task.targets): class names, "
                       "numbers for a task that predicts values, or a language model's records (text)")
+
+
+def _add_clientapp(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "clientapp",
+        help="run nebula-fl's ClientApp for a SuperNode started with --isolation process (never a bundle's code)",
+        description="Serve a SuperNode's ClientApp tasks with the ClientApp of this installed nebula-fl. Start the "
+        "SuperNode with --isolation process --port P --superexec-auth-secret-file SECRET and this runner with the "
+        "same address and secret: every run's app bundle is read as configuration only, and a bundle that carries "
+        "code, names other components or another nebula-fl version is refused (an error reply, a line here).",
+    )
+    p.add_argument("--runtime-api-address", required=True, metavar="HOST:PORT",
+                   help="the SuperNode's Runtime API (127.0.0.1 and its --port)")
+    p.add_argument("--superexec-auth-secret-file", metavar="FILE",
+                   help="the secret file the SuperNode was given: only a holder of it can take the SuperNode's tasks")
+    p.add_argument("--root-certificates", metavar="FILE",
+                   help="the CA of the Runtime API when the SuperNode serves it over TLS (default: plain HTTP)")
+
+
+def _clientapp(args: argparse.Namespace) -> int:
+    from nebula_fl.clients.runner import main as runner_main
+
+    return runner_main(runtime_api_address=args.runtime_api_address, auth_secret_file=args.superexec_auth_secret_file,
+                       root_certificates=args.root_certificates)
 
 
 def _add_privacy_report(sub: argparse._SubParsersAction) -> None:
@@ -319,8 +346,22 @@ def _trainer(args: argparse.Namespace) -> int:
         state_dir=Path(args.state_dir).expanduser().resolve(), model_path=resolve_model_path(args.model),
         shard=shard, workers=args.workers, device=args.device, precision=args.precision, threads=threads, policy=policy,
         slowdown=args.slowdown, lock_wait_s=args.lock_wait, parallel=args.parallel,
+        socket_group=_group_id(args.socket_group),
     )
     return run_trainer(opts)
+
+
+def _group_id(group: str | None) -> int | None:
+    """A group name or number as its id; one that does not exist is an error that says how to make it."""
+    import grp
+
+    if group is None or group.isdigit():  # a numeric group needs no name
+        return None if group is None else int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise NebulaError(f"--socket-group {group!r}: no such group; create it (groupadd --system {group}) and add "
+                          "the SuperNode's user to it") from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -329,6 +370,7 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
     _add_run(sub)
     _add_trainer(sub)
+    _add_clientapp(sub)
     _add_privacy_report(sub)
     _add_generate(sub)
     _add_certs(sub)
@@ -339,7 +381,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return {"run": _run, "trainer": _trainer, "privacy-report": _privacy_report, "generate": _generate,
+        return {"run": _run, "trainer": _trainer, "clientapp": _clientapp, "privacy-report": _privacy_report, "generate": _generate,
                 "certs": _certs, "identity": _identity}[args.command](args)
     except NebulaError as err:
         print(f"nebula-fl: error: {err}", file=sys.stderr)

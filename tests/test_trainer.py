@@ -1,5 +1,6 @@
 """The persistent trainer with real torch.distributed (2 gloo ranks), driven over its socket."""
 
+import json
 import math
 import re
 import subprocess
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from nebula_fl.clients.protocol import request
+from nebula_fl.clients.trainer_service import SHARD_FILE
 from nebula_fl.config import RunConfig
 from nebula_fl.errors import NebulaError
 from nebula_fl.model.adapter import adapter_arrays
@@ -46,7 +48,10 @@ def test_ddp_ranks_stay_in_sync_and_snapshots_restore_exactly(tmp_path, tiny_mod
     global_adapter = adapter_arrays(build_model(cfg.model, num_labels=5, seed=0))
     proc, sock, info = start_trainer(tmp_path, tiny_model, "a")
     try:
-        assert info["workers"] == 2 and info["num_examples"] > 0
+        assert info["workers"] == 2 and set(info) == {"ok", "cluster_id", "workers", "device", "precision", "parallel",
+                                                       "privacy_mode"}  # nothing of the data on the socket
+        shard = json.loads((tmp_path / "state" / SHARD_FILE).read_text())  # the operator's, in the private folder
+        assert shard["num_examples"] > 0 and sum(shard["label_counts"].values()) == shard["num_examples"]
         r1, u1 = request(sock, {"op": "train", "config": make(1)}, global_adapter)
         m = r1["metrics"]
         assert m["rank-divergence"] == 0.0 and m["workers"] == 2 and m["steps"] == 4
@@ -66,6 +71,10 @@ def test_ddp_ranks_stay_in_sync_and_snapshots_restore_exactly(tmp_path, tiny_mod
         with pytest.raises(NebulaError, match="labels"):
             request(sock, {"op": "train", "config": make(4, labels=["only", "two"], **{"federation-id": "fed2"})},
                     global_adapter)
+        # the state folder (snapshots, replies, ledger, lock) is the trainer's user's alone; the key beside the socket too
+        state = [tmp_path / "state", *(tmp_path / "state").rglob("*")]
+        assert len(state) > 5 and {p.stat().st_mode & 0o077 for p in state} == {0}
+        assert (tmp_path / "state").stat().st_mode & 0o777 == 0o700 and sock.stat().st_mode & 0o077 == 0
     finally:
         stop(proc)
     # a new trainer process (a restarted cluster) continues from the snapshot on disk
@@ -201,7 +210,7 @@ def test_frozen_a_sends_only_b_and_refuses_a_server_with_another_a(tmp_path, tin
         # logical batches of 12 expected examples (privacy.batch-size) that 2 workers compute in chunks of 4
         dp_reply, private = request(sock, {"op": "train", "config": {**base, **dp}}, start)
         assert set(private) == set(start) and all(np.isfinite(v).all() for v in private.values())
-        m, n = dp_reply["metrics"], hello["num_examples"]
+        m, n = dp_reply["metrics"], json.loads((tmp_path / "state" / SHARD_FILE).read_text())["num_examples"]
         assert m["sample-rate"] == pytest.approx(1 / math.ceil(n / 12)) and m["dp-steps"] == 4
         assert m["examples-seen"] == 4 * 12
         with pytest.raises(NebulaError, match=r"frozen LoRA A .* differs from the server's"):

@@ -1,7 +1,7 @@
 """The ClientApp: a thin relay from the SuperNode to the cluster's persistent trainer.
 
-Flower starts a fresh ``flwr-clientapp`` process for every message, so this module imports no torch
-and loads no model: it hands the global adapter and the round's config to the trainer named by the
+The cluster's runner (clients/runner.py) serves every message with it, so this module imports no torch and
+loads no model: it hands the global adapter and the round's config to the trainer named by the
 node config key ``trainer`` (its socket path) and returns the trainer's update and metrics. A
 ``query`` message asks the trainer who it is (the server maps node ids to clusters with it: node ids
 change when a SuperNode restarts, clusters do not); a ``query.secagg`` message carries one stage of
@@ -12,9 +12,8 @@ the trainer with the round, and the trainer's answer comes back as a `secagg` re
 
 from __future__ import annotations
 
-import os
+import threading
 import time
-from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -26,16 +25,11 @@ from nebula_fl.errors import NebulaError
 app = ClientApp()
 
 
-def process_started_at() -> float | None:
-    """Wall-clock time this process started: its start in kernel ticks since boot (/proc) against CLOCK_BOOTTIME,
-    so the ClientApp's own start-up (interpreter, imports, fetching the message) is timed apart from the wait
-    before Flower started it. None where /proc is not Linux's."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22
-        return time.time() - age
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
+# Set by the runner (clients/runner.py) on the thread that serves a task: when it took the task from the SuperNode,
+# so the server can tell the wait for a runner from the ClientApp's own start (pulling the message).
+current_task = threading.local()
+
+
 TRAINER_WAIT_S = 15.0  # a trainer restarting (its launcher restarts it at once) is waited for this long
 
 
@@ -77,8 +71,8 @@ def train(msg: Message, context: Context) -> Message:
         # trainer_service.IN_THE_CLEAR): how long it trained can tell how much data it holds
         metrics["client-seconds"] = time.monotonic() - started
         metrics["received-at"] = received_at
-        if (born := process_started_at()) is not None:
-            metrics["process-started-at"] = born
+        if (taken := getattr(current_task, "started_at", None)) is not None:
+            metrics["task-started-at"] = taken
         metrics["reply-sent-at"] = time.time()  # wall clock, so the server can time the upload of this reply
     content = RecordDict({
         "update": ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in update.items()}),
@@ -95,7 +89,7 @@ def identify(msg: Message, context: Context) -> Message:
     weight secure aggregation keeps from the server."""
     reply, _ = request(_socket(context), {"op": "hello"}, wait_s=TRAINER_WAIT_S)
     metrics = {"cluster-id": int(reply["cluster_id"]), "workers": int(reply["workers"]),
-               "privacy-mode": str(reply.get("privacy_policy", {}).get("mode", "off"))}
+               "privacy-mode": str(reply.get("privacy_mode", "off"))}
     return Message(RecordDict(_records(metrics)), reply_to=msg)
 
 

@@ -82,14 +82,20 @@ def _timeouts(sock: socket.socket, seconds: float) -> None:
 
 
 class TrainerListener:
-    """The trainer's Unix socket (mode 0600) with multiprocessing's HMAC handshake and I/O timeouts.
+    """The trainer's Unix socket (mode 0600, or 0660 for `group`: the SuperNode's user connects through it, the only
+    way into the cluster) with multiprocessing's HMAC handshake and I/O timeouts; the key file beside it is
+    readable by the same users (0600, or 0640 for the group).
 
     Every accepted connection gets kernel send/receive timeouts, so a client that stalls can hold
     neither the handshake nor a read for longer than `io_timeout`.
     """
 
-    def __init__(self, socket_path: str | Path, *, io_timeout: float = IO_TIMEOUT_S) -> None:
+    def __init__(self, socket_path: str | Path, *, io_timeout: float = IO_TIMEOUT_S, group: int | None = None) -> None:
         path = Path(socket_path)
+        if not path.parent.exists() and group is not None:  # a folder made here lets the group reach the socket
+            path.parent.mkdir(parents=True, mode=0o750)
+            os.chown(path.parent, -1, group)
+            path.parent.chmod(0o750)
         path.parent.mkdir(parents=True, exist_ok=True)
         if socket_in_use(path):
             raise NebulaError(
@@ -98,14 +104,21 @@ class TrainerListener:
         path.unlink(missing_ok=True)  # a stale file left by a trainer that died
         self.key = secrets.token_bytes(32)
         kp = key_path(path)
-        fd = os.open(kp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        kp.unlink(missing_ok=True)  # a fresh file: its mode and group are the ones set below
+        fd = os.open(kp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as handle:
+            if group is not None:
+                os.fchown(handle.fileno(), -1, group)
+                os.fchmod(handle.fileno(), 0o640)
             handle.write(self.key)
         self.path, self.io_timeout = path, io_timeout
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
             self.sock.bind(str(path))
+            if group is not None:  # connecting to a Unix socket needs write permission on it
+                os.chown(path, -1, group)
+                path.chmod(0o660)
         finally:
             os.umask(old)
         self.sock.listen(16)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import json
 import os
 import queue
 import signal
@@ -44,6 +45,7 @@ AHEAD, ROUND = "ahead", "round"  # rank 0's commands to the other ranks
 CONTROL_TIMEOUT = timedelta(days=30)  # ranks >= 1 idle in a broadcast between rounds; rounds can be far apart
 MAX_FRAME = 1 << 31
 LOCK_FILE = "trainer.lock"
+SHARD_FILE = "shard.json"  # the shard's size and labels: for the operator, never said on the socket
 LOCK_WAIT_S = 30.0  # how long a trainer waits for the one before it on its state folder to stop
 # Metrics computed from the private data and not covered by the DP guarantee: never sent under DP.
 DATA_DEPENDENT = ("train-loss", "update-norm-before-clip", "clipped", "rank-divergence", "prox-term")
@@ -94,6 +96,22 @@ class TrainerOptions:
     slowdown: float = 1.0  # emulate a slower site: each step takes this many times as long (asleep, no CPU)
     lock_wait_s: float = LOCK_WAIT_S  # how long to wait for the trainer before this one on the state folder
     parallel: str = "ddp"  # "ddp" or "fsdp": how the workers share the model (clients/sharding.py)
+    socket_group: int | None = None  # a group whose members may connect (the SuperNode's user); None: this user only
+
+
+def describe(opts: TrainerOptions) -> dict[str, Any]:
+    return {"cluster_id": opts.cluster_id, "workers": opts.workers, "device": opts.device, "precision": opts.precision,
+            "parallel": opts.parallel, "privacy_mode": opts.policy.mode}
+
+
+def write_shard_file(opts: TrainerOptions) -> Path:
+    """The shard's size and label counts, for the operator (the launcher's start line), in the private state folder."""
+    path = opts.state_dir / SHARD_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"cluster_id": opts.cluster_id, "num_examples": len(opts.shard),
+                               "label_counts": opts.shard.label_counts()}))
+    os.replace(tmp, path)
+    return path
 
 
 def _device_for(rank: int, opts: TrainerOptions):
@@ -132,7 +150,7 @@ def _worker_main(rank: int, opts: TrainerOptions, init_file: str, parent: int) -
         )
     )
     if rank == 0:
-        Boundary(opts, trainer).serve(TrainerListener(opts.socket_path))
+        Boundary(opts, trainer).serve(TrainerListener(opts.socket_path, group=opts.socket_group))
     else:
         while True:  # rank 0's commands: a round to train, or steps to train ahead between rounds
             box: list[Any] = [None]
@@ -249,10 +267,10 @@ class Boundary:
                 pass
 
     def describe(self) -> dict[str, Any]:
-        opts = self.opts
-        return {"cluster_id": opts.cluster_id, "num_examples": len(opts.shard), "workers": opts.workers,
-                "device": opts.device, "precision": opts.precision, "parallel": opts.parallel, "label_counts": opts.shard.label_counts(),
-                "privacy_policy": opts.policy.to_dict()}
+        """`hello`: who answers, on what hardware, under which policy mode: only what IN_THE_CLEAR lets any reply say.
+        Whoever reaches the socket (the SuperNode's user, so what the server sees) learns nothing of the data: the
+        shard's size and labels are in the state folder (SHARD_FILE), for the operator alone."""
+        return describe(self.opts)
 
     def _secagg(self, request: Any) -> bytes:
         """A secure-aggregation setup or unmasking request (answered on the connection's thread)."""
@@ -426,7 +444,9 @@ def _lock_state_dir(state_dir: Path, *, wait_s: float = LOCK_WAIT_S, poll_s: flo
     A trainer that holds it may be the previous run's, still shutting down (a `--resume` right after a stop):
     it is waited for up to `wait_s`, with one line saying so; one still holding it then is another trainer.
     """
-    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if state_dir.stat().st_uid == os.geteuid():
+        state_dir.chmod(0o700)  # an older or hand-made folder too: the state is the trainer's user's alone
     path = state_dir / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     deadline = time.monotonic() + wait_s
@@ -475,7 +495,11 @@ def run_trainer(opts: TrainerOptions) -> int:
         check_visible(devices, visible=visible_gpus())
     precision = resolve_precision(opts.precision, device_kind=devices[0].split(":")[0], privacy_mode=opts.policy.mode)
     opts.policy.check_for(len(opts.shard))
+    # Everything the trainer writes (keys, ledger, snapshots, replies) is its user's alone: the SuperNode's user, and
+    # so whatever code might run as it, reaches the cluster through the socket only (ranks inherit the mask).
+    os.umask(0o077)
     lock = _lock_state_dir(opts.state_dir, wait_s=opts.lock_wait_s)
+    write_shard_file(opts)
     secagg = SecAggStage.for_policy(state_dir=opts.state_dir, cluster_id=opts.cluster_id, policy=opts.policy)
     if socket_in_use(opts.socket_path):
         raise NebulaError(f"another trainer already serves '{opts.socket_path}'; stop it first, or pass another --socket")

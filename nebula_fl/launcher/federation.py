@@ -5,14 +5,16 @@ points its ClientApp at it, then ``flwr run`` of a generated app folder holding 
 Everything lives under the run folder (``logs/``, ``.flwr/`` as FLWR_HOME, ``clusters/<i>/state``),
 is offline (no telemetry, no update check, no runtime dependency install), and is stopped — every
 process and every child — on success, failure and Ctrl-C alike, and by the watchdog (watchdog.py)
-if the launcher itself is killed. A cluster's trainer, SuperNode or WAN proxy that dies mid-run is
+if the launcher itself is killed. A cluster's trainer, SuperNode, ClientApp runner or WAN proxy that dies mid-run is
 started again (MAX_RESTARTS times at most) while the other clusters go on; the SuperLink's death ends
 the run.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -24,7 +26,10 @@ import tomli_w
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from nebula_fl import __version__
+from nebula_fl.clients.bundle_check import COMPONENTS
 from nebula_fl.clients.protocol import request
+from nebula_fl.clients.trainer_service import SHARD_FILE
 from nebula_fl.components import resolve
 from nebula_fl.errors import NebulaError
 from nebula_fl.launcher.plan import LaunchPlan, free_port, port_free
@@ -71,13 +76,22 @@ def write_app(folder: Path, flat_config: dict) -> Path:
         "tool": {"flwr": {"app": {
             "publisher": "nebula-fl",
             "fab-include": ["LICENSE"],
-            "components": {"serverapp": "nebula_fl.server.app:app", "clientapp": "nebula_fl.clients.app:app"},
+            "components": dict(COMPONENTS),
             "config": flat_config,
-        }}},
+        }}, "nebula-fl": {"version": __version__}},  # clusters refuse a bundle made for another version
     }
     (app / "pyproject.toml").write_text(tomli_w.dumps(doc))
     (app / "LICENSE").write_text(APP_LICENSE)
     return app
+
+
+def superexec_secret(path: Path) -> Path:
+    """A fresh random secret (mode 0600) shared by one SuperNode and its ClientApp runner: the SuperNode hands its
+    tasks only to a holder of it, so no other local process can take a cluster's messages."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(secrets.token_bytes(32))
+    return path
 
 
 def _raise_interrupt(_signum, _frame) -> None:
@@ -94,7 +108,7 @@ MAX_RESTARTS = 3  # per service per launch; one more death is fatal
 # SIGKILLed under node authentication is refused until the SuperLink's heartbeat for its key lapses
 # (2 x 30 s), so the later attempts reach past that.
 RESTART_DELAYS_S = (1.0, 15.0, 60.0)
-SERVICE_LABELS = {"trainer": "trainer", "supernode": "SuperNode", "wan": "WAN proxy"}  # restartable, per cluster
+SERVICE_LABELS = {"trainer": "trainer", "supernode": "SuperNode", "clientapp": "ClientApp runner", "wan": "WAN proxy"}  # restartable, per cluster
 
 
 def _fail(what: str, proc: Managed) -> NebulaError:
@@ -247,17 +261,29 @@ class Federation:
                     return False
 
             self._wait(ready, proc, f"trainer {i}", timeout=300)
+            shard = json.loads((self._state_dir(i) / SHARD_FILE).read_text())  # the operator's view, not the socket's
             self.console.print(
-                f"cluster {i}: trainer ready, {info['num_examples']} examples, {info['workers']} worker(s) on "
-                f"{info['device']} ({info.get('parallel', 'ddp')}), labels {info['label_counts']}"
+                f"cluster {i}: trainer ready, {shard['num_examples']} examples, {info['workers']} worker(s) on "
+                f"{info['device']} ({info.get('parallel', 'ddp')}), labels {shard['label_counts']}"
             )
+            runtime_port, secret = free_port(), superexec_secret(socket_dir / f"superexec-{i}.secret")
             self.procs.start(
                 f"supernode-{i}",
-                [_bin("flower-supernode"), *transport.supernode_args(i), "--superlink", f"127.0.0.1:{links[i]}", "--port",
-                 str(free_port()), "--node-config", f'trainer="{sock}" cluster-id={i}'],
+                [_bin("flower-supernode"), *transport.supernode_args(i), "--superlink", f"127.0.0.1:{links[i]}",
+                 "--isolation", "process", "--superexec-auth-secret-file", str(secret), "--port", str(runtime_port),
+                 "--node-config", f'trainer="{sock}" cluster-id={i}'],
                 log_path=self.logs / f"supernode-{i}.log", env=env,
             )
-        self.console.print(f"federation started: {plan.clusters} cluster(s), logs in {self.logs}")
+            self.procs.start(
+                f"clientapp-{i}",
+                [sys.executable, "-m", "nebula_fl", "clientapp", "--runtime-api-address", f"127.0.0.1:{runtime_port}",
+                 "--superexec-auth-secret-file", str(secret)],
+                log_path=self.logs / f"clientapp-{i}.log", env=env,
+            )
+        self.console.print(f"federation started: {plan.clusters} cluster(s), logs in {self.logs}; each cluster runs "
+                           "only nebula-fl's own ClientApp (app bundles are read as configuration)")
+        self.console.print("one user runs every process here (a demo); across machines, run each cluster's trainer as "
+                           "its own user (README: Deploying a cluster)")
 
     def _write_policy(self, cluster: int, roster: Path | None) -> Path:
         """Each cluster's own privacy policy, as its operator would write it for this run (never weaker), with

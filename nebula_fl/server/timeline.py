@@ -1,7 +1,7 @@
 """Where a round's time went: the server's phases, each cluster's, and the framework overhead.
 
 A round is push → clusters pick the message up (`wait_s`: the SuperNode's poll, the download, SuperExec's
-poll; `start_s`: a fresh ClientApp process starting, importing, fetching the message) → train → encode → upload (SuperNode's reply poll, the upload, the server's poll) → decode
+poll, the runner's poll; `start_s`: the runner fetching the message for nebula-fl's ClientApp) → train → encode → upload (SuperNode's reply poll, the upload, the server's poll) → decode
 and aggregate → evaluate → checkpoint. The server times its own phases on its monotonic clock; a
 cluster's pickup and upload span two machines and are computed from wall clocks (the ClientApp's
 `received-at` and `reply-sent-at` against the server's push and arrival), so across machines they
@@ -35,8 +35,8 @@ def cluster_phases(*, pushed_at: float | None, arrived_at: float | None, metrics
     received, sent = _num(metrics.get("received-at")), _num(metrics.get("reply-sent-at"))
     if pushed_at is not None and received is not None:
         out["pickup_s"] = max(0.0, received - pushed_at)
-        born = _num(metrics.get("process-started-at"))
-        if born is not None and pushed_at <= born <= received:  # pickup = waiting for a process + its start-up
+        born = _num(metrics.get("task-started-at"))
+        if born is not None and pushed_at <= born <= received:  # pickup = waiting for the runner + pulling the message
             out["wait_s"], out["start_s"] = born - pushed_at, received - born
     for key, name in (("client-seconds", "compute_s"), ("seconds", "train_s"), ("encode-seconds", "encode_s")):
         if (value := _num(metrics.get(key))) is not None:
