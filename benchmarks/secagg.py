@@ -108,7 +108,8 @@ def _keyword_values(path: Path, keyword: str, *, call: str) -> list[float | str]
 
 
 class SuperExecWatch:
-    """Reads FLWR_SUPEREXEC_TASK_POLL_INTERVAL from the environment of every `flower-superexec` this
+    """Reads FLWR_SUPEREXEC_TASK_POLL_INTERVAL from the environment of every `flower-superexec` and every nebula-fl
+    ClientApp runner (which takes a SuperNode's SuperExec's place and honours the same variable) this
     benchmark's processes start (a background scan once a second), by the role of the process that
     started it (`supernode` or `superlink`): what each side really ran with, not what it was told."""
 
@@ -136,11 +137,13 @@ class SuperExecWatch:
     def scan(self) -> None:
         for proc in psutil.Process().children(recursive=True):
             try:
-                key = (proc.pid, proc.create_time())
-                if key in self._checked or not any(part.endswith("flower-superexec") for part in proc.cmdline()):
+                key, cmd = (proc.pid, proc.create_time()), proc.cmdline()
+                runner = "nebula_fl" in cmd and "clientapp" in cmd  # a nebula-fl cluster's SuperExec (clients/runner.py)
+                if key in self._checked or not (runner or any(part.endswith("flower-superexec") for part in cmd)):
                     continue
                 parent = proc.parent()
-                role = "supernode" if parent and any("flower-supernode" in p for p in parent.cmdline()) else "superlink"
+                role = "supernode" if runner or (parent and any("flower-supernode" in p for p in parent.cmdline())) \
+                    else "superlink"
                 value = proc.environ().get(TASK_POLL_ENV, f"unset (Flower's {FLOWER_DEFAULT_TASK_POLL})")
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue

@@ -97,13 +97,19 @@ def test_what_is_not_a_bundle_is_refused():
         check_bundle(buf.getvalue(), own_version=__version__)
 
 
-def test_runner_options_are_checked():
+def test_runner_options_are_checked(monkeypatch):
     RunnerOptions(runtime_api_address="127.0.0.1:9094", auth_secret=b"s")
     for bad in ("9094", "127.0.0.1:", "127.0.0.1:99999", ":9094"):
         with pytest.raises(ConfigError, match="HOST:PORT"):
             RunnerOptions(runtime_api_address=bad)
     with pytest.raises(ConfigError, match="empty"):
         RunnerOptions(runtime_api_address="127.0.0.1:9094", auth_secret=b"")
+    for poll in ("0", "nan", "61", "soon"):  # the runner honours Flower's SuperExec poll variable, checked alike
+        monkeypatch.setenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", poll)
+        with pytest.raises(ConfigError, match="FLWR_SUPEREXEC_TASK_POLL_INTERVAL"):
+            RunnerOptions(runtime_api_address="127.0.0.1:9094")
+    monkeypatch.setenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.5")
+    assert RunnerOptions(runtime_api_address="127.0.0.1:9094").poll_s == 0.5
 
 
 # -- e2e: a foreign bundle submitted to a running federation ---------------------------------------------------------

@@ -200,7 +200,7 @@ def test_frozen_a_sends_only_b_and_refuses_a_server_with_another_a(tmp_path, tin
     dp = {"privacy.mode": "sample", "privacy.noise-multiplier": 1.0, "privacy.max-grad-norm": 1.0,
           "privacy.accountant": "rdp", "privacy.delta": 1e-5, "privacy.target-epsilon": "auto",
           "privacy.max-epsilon": "auto", "num-server-rounds": 2, "federation-id": "fdp", "privacy.batch-size": 12}
-    proc, sock, hello = start_trainer(tmp_path, tiny_model, "frozen")
+    proc, sock, _ = start_trainer(tmp_path, tiny_model, "frozen")
     try:
         reply, update = request(sock, {"op": "train", "config": base}, start)
         assert reply["metrics"]["rank-divergence"] == 0.0

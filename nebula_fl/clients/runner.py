@@ -15,17 +15,19 @@ each hop on those); tasks run on threads, so a secure-aggregation query is answe
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nebula_fl import __version__
 from nebula_fl.clients.bundle_check import BundleRefused, check_bundle
 from nebula_fl.errors import ConfigError
 
-POLL_S = 0.1  # how often the runner asks its SuperNode for a task (a local call)
+POLL_S = 0.1  # how often the runner asks its SuperNode for a task (a local call), unless POLL_ENV says otherwise
+POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec's knob: the runner takes its place, and its knob
 MAX_TASKS = 16  # ClientApp tasks in flight at once (each mostly waits on the trainer)
 RETRY_S = 1.0  # the SuperNode is (re)starting: ask again after this long
 
@@ -35,7 +37,7 @@ class RunnerOptions:
     runtime_api_address: str  # the SuperNode's Runtime API, host:port (flower-supernode --port)
     auth_secret: bytes | None = None  # the SuperNode's --superexec-auth-secret-file contents
     root_certificates: bytes | None = None  # the Runtime API's CA, when it serves TLS (else plain HTTP)
-    poll_s: float = POLL_S
+    poll_s: float = field(default_factory=lambda: _poll_from_env(os.environ.get(POLL_ENV)))
     max_tasks: int = MAX_TASKS
 
     def __post_init__(self) -> None:
@@ -46,9 +48,19 @@ class RunnerOptions:
         if self.auth_secret is not None and not self.auth_secret:
             raise ConfigError("the SuperExec secret is empty; write random bytes to the file given to both "
                               "flower-supernode and this runner with --superexec-auth-secret-file")
-        if not 0.01 <= self.poll_s <= 60 or not 1 <= self.max_tasks <= 256:
-            raise ConfigError(f"poll_s {self.poll_s} must be within 0.01-60 s and max_tasks {self.max_tasks} "
-                              "within 1-256")
+        if not 0.01 <= self.poll_s <= 60:  # (NaN fails too)
+            raise ConfigError(f"the task poll interval {self.poll_s} s ({POLL_ENV}) must be within 0.01-60 s")
+        if not 1 <= self.max_tasks <= 256:
+            raise ConfigError(f"max_tasks {self.max_tasks} must be within 1-256")
+
+
+def _poll_from_env(value: str | None) -> float:
+    if value is None:
+        return POLL_S
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{POLL_ENV}={value!r} is not a number of seconds; set it within 0.01-60 or unset it") from None
 
 
 def _log(text: str) -> None:
@@ -94,6 +106,8 @@ def run_task(opts: RunnerOptions, token: str, app, *, acquired_at: float | None 
                  f"{fab.hash_str[:12]}): {err}")
             reply = Message(Error(code=ErrorCode.LOAD_CLIENT_APP_EXCEPTION, reason=details), reply_to=message)
         else:
+            meta = message.metadata
+            _log(f"run {run.run_id}: {meta.message_type} message" + (f", round {meta.group_id}" if meta.group_id else ""))
             current_task.started_at = acquired_at
             reply = app(message=message, context=context)
             outcome, sub_status, details = "completed", SubStatus.COMPLETED, ""
