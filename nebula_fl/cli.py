@@ -168,6 +168,49 @@ def _clientapp(args: argparse.Namespace) -> int:
                        root_certificates=args.root_certificates)
 
 
+def _add_check_access(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check-access",
+        help="as root: which of a cluster's files another user (the SuperNode's) can open",
+        description="List every path under PATH... and try, as USER, to open each (read a file, list a folder, "
+        "connect to a socket). Exits 1 if USER opens anything but a trainer's socket, its key file and their folder: "
+        "under the documented deployment the SuperNode's user reaches the cluster through the socket only.",
+    )
+    p.add_argument("--user", required=True, help="the user to check (name or uid), e.g. the SuperNode's")
+    p.add_argument("paths", nargs="+", metavar="PATH",
+                   help="the trainer's state folder, data, policy, socket folder")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def _check_access(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from nebula_fl.security.access import beyond_the_socket, check_access, user_ids
+
+    uid, gid, groups = user_ids(args.user)
+    found = check_access(args.paths, uid=uid, gid=gid, groups=groups)
+    leaks = beyond_the_socket(found)
+    if args.json:
+        print(json.dumps({"user": args.user, "paths": [asdict(a) for a in found],
+                          "beyond_the_socket": [a.path for a in leaks]}, indent=1))
+    else:
+        table = Table(title=f"what {args.user} (uid {uid}) can open")
+        for column in ("path", "kind", "owner", "mode", "opens"):
+            table.add_column(column)
+        for a in found:
+            table.add_row(a.path, a.kind, a.owner, a.mode, "[red]yes[/red]" if a in leaks else "yes" if a.opens else "no")
+        console = Console(highlight=False)
+        console.print(table)
+        console.print(f"{args.user} opens {sum(a.opens for a in found)} of {len(found)} paths; "
+                      + (f"[red]{len(leaks)} beyond the trainer's socket[/red]" if leaks else
+                         "nothing beyond the trainer's socket, its key and their folder"))
+    return 1 if leaks else 0
+
+
 def _add_privacy_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "privacy-report",
@@ -371,6 +414,7 @@ def parser() -> argparse.ArgumentParser:
     _add_run(sub)
     _add_trainer(sub)
     _add_clientapp(sub)
+    _add_check_access(sub)
     _add_privacy_report(sub)
     _add_generate(sub)
     _add_certs(sub)
@@ -381,7 +425,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return {"run": _run, "trainer": _trainer, "clientapp": _clientapp, "privacy-report": _privacy_report, "generate": _generate,
+        return {"run": _run, "trainer": _trainer, "clientapp": _clientapp, "check-access": _check_access,
+                "privacy-report": _privacy_report, "generate": _generate,
                 "certs": _certs, "identity": _identity}[args.command](args)
     except NebulaError as err:
         print(f"nebula-fl: error: {err}", file=sys.stderr)
