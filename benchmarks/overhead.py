@@ -13,10 +13,14 @@ round has no previous send and does not count.
 
 `--overlap both` runs the same federation with and without `eval-overlap` side by side (use it with a
 real model, e.g. `--model minilm --preset demo --rounds 5`, where evaluation takes seconds).
+`--against REF` runs the same federation with nebula-fl as of git REF too (a temporary worktree first on
+PYTHONPATH, for the launcher and every Flower process it starts), `--repeats` times each, the two sides
+alternating: this tree against an earlier commit on the same machine in one run.
 
     .venv/bin/python benchmarks/overhead.py                 # ~2 min on 2 cores
     .venv/bin/python benchmarks/overhead.py --model minilm --preset demo --rounds 5 --overlap both
     .venv/bin/python benchmarks/overhead.py --model minilm --preset demo --device cuda   # on a GPU machine
+    .venv/bin/python benchmarks/overhead.py --against 251dd94 --repeats 2   # this tree vs a commit, alternating
 
 Writes results.json and round_timeline.png under --out; prints a table.
 """
@@ -24,10 +28,12 @@ Writes results.json and round_timeline.png under --out; prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import platform
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -70,9 +76,10 @@ def medians(lines: list[dict[str, Any]]) -> dict[str, Any]:
         values = [c[key] for c in slowest if key in c]
         if values:
             out[f"slowest_{key}"] = statistics.median(values)
-    elapsed = [line["elapsed_seconds"] for line in lines]
-    if len(elapsed) > 1:
-        out["period_s"] = statistics.median(b - a for a, b in itertools.pairwise(elapsed))
+    periods = [b["elapsed_seconds"] - a["elapsed_seconds"] for a, b in itertools.pairwise(lines)
+               if b["round"] == a["round"] + 1]  # within one run: repeats are pooled one after the other
+    if periods:
+        out["period_s"] = statistics.median(periods)
     return out
 
 
@@ -108,6 +115,22 @@ def plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     plt.close(fig)
 
 
+@contextlib.contextmanager
+def other_tree(ref: str | None, out: Path):
+    """nebula-fl as of git REF, checked out in a temporary worktree under OUT (None without a REF); removed after."""
+    if ref is None:
+        yield None
+        return
+    repo = Path(__file__).resolve().parents[1]
+    where = out / f"tree-{ref}"
+    subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(where), ref], check=True,
+                   capture_output=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(where)], capture_output=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help="'tiny' (built here: compute is negligible) or a model name/path")
@@ -120,8 +143,15 @@ def main() -> int:
                         help="eval-overlap for the run(s); both = two runs side by side")
     parser.add_argument("--device", help="passed to `nebula-fl run --device`: cpu or cuda, or one per cluster "
                         "(e.g. cpu,cuda); default: nebula-fl run's own")
+    parser.add_argument("--against", metavar="REF",
+                        help="also run nebula-fl as of git REF (a temporary worktree), alternating with this tree")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per side, alternating (their rounds pooled)")
     parser.add_argument("--out", default="benchmarks/results/overhead")
     args = parser.parse_args()
+    if args.against and args.overlap == "both":
+        parser.error("--against compares two trees at one --overlap setting; give --overlap on or off")
+    if not 1 <= args.repeats <= 10:
+        parser.error("--repeats must be 1 to 10")
     console = Console(highlight=False, width=150)
     out = fresh_out(args.out)
     model = args.model
@@ -131,19 +161,28 @@ def main() -> int:
         model = str(build_tiny_model(out / "tiny-model"))
     started = time.monotonic()
     runs: dict[str, list[dict[str, Any]]] = {}
-    walls: dict[str, float] = {}  # command to exit, as a user waits for it
-    for overlap in (("on", "off") if args.overlap == "both" else (args.overlap,)):
-        name = f"eval-overlap {overlap}"
-        folder = out / f"overlap-{overlap}"
-        console.print(f"[bold]{name}[/bold]: {args.clusters} clusters, {args.rounds} rounds, model {args.model}")
-        launched = time.monotonic()
-        _, lines = run_federation(
-            ["--preset", args.preset, "--clusters", str(args.clusters), "--rounds", str(args.rounds),
-             "--local-steps", str(args.local_steps), "--port", "0", *(["--device", args.device] if args.device else []),
-             "--run-config", f'model="{model}" eval-initial=false eval-overlap={str(overlap == "on").lower()}'],
-            folder=folder, log=folder.with_suffix(".log"))
-        runs[name] = lines
-        walls[name] = time.monotonic() - launched
+    walls: dict[str, float] = {}  # command to exit, as a user waits for it (the median over repeats)
+    sides = [(f"eval-overlap {o}", o, None) for o in (("on", "off") if args.overlap == "both" else (args.overlap,))]
+    with other_tree(args.against, out) as tree:
+        if tree is not None:
+            sides = [("this tree", args.overlap, None), (f"at {args.against}", args.overlap, tree)]
+        took: dict[str, list[float]] = {}
+        for repeat, (name, overlap, where) in itertools.product(range(args.repeats), sides):
+            folder = out / f"{name.replace(' ', '-')}-{repeat}"
+            console.print(f"[bold]{name}[/bold] (run {repeat + 1}/{args.repeats}): {args.clusters} clusters, "
+                          f"{args.rounds} rounds, model {args.model}")
+            env = None if where is None else {**os.environ, "PYTHONPATH": os.pathsep.join(
+                [str(where), *filter(None, [os.environ.get("PYTHONPATH")])])}
+            launched = time.monotonic()
+            _, lines = run_federation(
+                ["--preset", args.preset, "--clusters", str(args.clusters), "--rounds", str(args.rounds),
+                 "--local-steps", str(args.local_steps), "--port", "0",
+                 *(["--device", args.device] if args.device else []),
+                 "--run-config", f'model="{model}" eval-initial=false eval-overlap={str(overlap == "on").lower()}'],
+                folder=folder, log=folder.with_suffix(".log"), env=env)
+            runs.setdefault(name, []).extend(lines)
+            took.setdefault(name, []).append(time.monotonic() - launched)
+        walls = {name: statistics.median(values) for name, values in took.items()}
     figures = {name: {**medians(lines), "command_wall_s": walls[name],
                       "final_accuracy": lines[-1]["accuracy"]} for name, lines in runs.items()}
     first = figures[next(iter(figures))]
@@ -156,7 +195,7 @@ def main() -> int:
         "phase_medians": figures, "runs": runs, "benchmark_seconds": time.monotonic() - started,
     }
     write_results(out, results)
-    plot(runs, out / "round_timeline.png")
+    plot({name: lines[:args.rounds] for name, lines in runs.items()}, out / "round_timeline.png")  # each first run
 
     table = Table(title=f"per-phase medians over {args.rounds} rounds, {args.clusters} clusters, model {args.model} "
                         f"({results['machine']['cores']} cores)")

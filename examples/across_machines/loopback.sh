@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The across-machines recipe on one machine: certificates (`nebula-fl certs`), a TLS SuperLink that
 # admits only registered SuperNodes (superlink.sh), both cluster keys registered (register.sh), two
-# clusters (trainer + SuperNode, one with 2 DDP workers) holding shards of the shipped BBC News, and
+# clusters (trainer + SuperNode + its ClientApp runner, one with 2 DDP workers) holding shards of the shipped
+# BBC News, all as this one user (cluster.sh shows the deployment with a user per side), and
 # the run submitted over TLS (submit.sh). Every process it starts is stopped on exit.
 # INSECURE=1 is the plaintext shortcut (no certificates, no registration, --insecure everywhere): for
 # this loopback only, never across a network.
@@ -55,8 +56,13 @@ for i in 0 1; do
   # what cluster.sh runs, with this cluster's key (it holds a shard of the shipped data, not its own)
   [ "${INSECURE:-0}" = 1 ] || NODE_FLAGS=(--root-certificates "$WORK/certs/ca.crt"
                                           --auth-supernode-private-key "$WORK/certs/cluster-$i")
+  # in process isolation, served by nebula-fl's ClientApp runner: no app bundle's code runs on a cluster
+  (umask 077 && head -c 32 /dev/urandom > "$WORK/superexec-$i.secret")
   FLWR_HOME="$WORK/flwr-cluster-$i" start flower-supernode "${NODE_FLAGS[@]}" --superlink "127.0.0.1:$PORT" \
-    --port $((PORT + 1 + i)) --node-config "trainer=\"$WORK/t$i.sock\" cluster-id=$i"
+    --isolation process --superexec-auth-secret-file "$WORK/superexec-$i.secret" --port $((PORT + 1 + i)) \
+    --node-config "trainer=\"$WORK/t$i.sock\" cluster-id=$i"
+  start nebula-fl clientapp --runtime-api-address "127.0.0.1:$((PORT + 1 + i))" \
+    --superexec-auth-secret-file "$WORK/superexec-$i.secret"
 done
 
 if [ "${INSECURE:-0}" = 1 ]; then

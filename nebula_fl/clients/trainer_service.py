@@ -53,6 +53,9 @@ DATA_DEPENDENT = ("train-loss", "update-norm-before-clip", "clipped", "rank-dive
 # the updates and weights, and nothing computed from one cluster's data or size.
 IN_THE_CLEAR = {
     "cluster-id": "who answers: the server addressed this cluster",
+    "privacy-refused": "that the cluster refused the round",
+    "privacy-refusal": "the kind of refusal: 'policy' or 'budget'",
+    "privacy-reason": "a refusal's reason: the operator's requirement, or a fixed sentence (the figures stay in the log)",
     "secagg-keys-held": "protocol state: whether the key shares arrived",
     "steps": "the local steps the server asked for",
     "workers": "the cluster's hardware, not its data",
@@ -338,7 +341,7 @@ class Boundary:
         ledger) decide whether, and with which mechanism, the round runs."""
         config = rnd.config
         if why := self.secagg.requirement_refusal(config):  # the operator demands masking: refused as its policy
-            self._decline(rnd, refuse(why), "policy")
+            self._decline(rnd, refuse(why), "policy", data_free=True)
         if "secagg-epoch" in config:  # a securely aggregated round: checked before anything is trained
             if config.get("local-steps") == "auto":
                 # how many steps fit a time budget is a timing of this cluster's own, and under per-example DP (a
@@ -354,10 +357,23 @@ class Boundary:
         if not rnd.admission.allowed:
             self._decline(rnd, rnd.admission, rnd.admission.refusal)
 
-    def _decline(self, rnd: Round, admission, why: str) -> None:
+    def _masked_round(self, rnd: Round) -> bool:
+        """Whether what leaves about this round follows secure aggregation's rule (IN_THE_CLEAR): the round is
+        masked, or the operator's policy demands masking."""
+        return "secagg-epoch" in rnd.config or self.opts.policy.require_secure_aggregation
+
+    def _decline(self, rnd: Round, admission, why: str, *, data_free: bool = False) -> None:
+        """A refused round's reply. Under secure aggregation it follows the round replies' rule, and the gate's
+        reason (its δ, σ floor and ε figures come from the cluster's size) stays in the log; `data_free`: the
+        reason names only the operator's requirement, said as it is."""
         _log(self.opts, f"round {rnd.number} declined ({why}): {admission.reason}")
-        raise Answer(pack({"ok": True, "metrics": self.gate.refusal(admission, federation=rnd.federation,
-                                                                     cluster_id=self.opts.cluster_id), **rnd.riding}))
+        metrics = self.gate.refusal(admission, federation=rnd.federation, cluster_id=self.opts.cluster_id)
+        if self._masked_round(rnd):
+            if not data_free:
+                metrics["privacy-reason"] = (f"refused by this cluster's privacy {why}; the reason is in its log (under "
+                                             "secure aggregation its figures could tell the cluster's size)")
+            metrics = in_the_clear(metrics, mode=metrics.get("privacy-mode", self.opts.policy.mode))
+        raise Answer(pack({"ok": True, "metrics": metrics, **rnd.riding}))
 
     def _train_on_ranks(self, rnd: Round) -> None:
         """train: every rank, from the global (or, overlapped, its own rebased weights and what it trained ahead)."""
@@ -370,6 +386,10 @@ class Boundary:
         try:
             rnd.update, rnd.metrics = self.trainer.train_round(rnd.config, rnd.arrays, rnd.admission)
         except (RequestError, NebulaError) as err:
+            if self._masked_round(rnd):  # e.g. "N examples for W workers": the server gets the fact, not the text
+                _log(self.opts, f"round {rnd.number} not trained: {err}", error=True)
+                raise Answer(self._error("the cluster could not train the round; the reason is in its log (under "
+                                         "secure aggregation it could tell the cluster's data)")) from None
             raise Answer(self._error(str(err))) from None
         m = rnd.metrics
         cycle = m.get("since-send-seconds")
