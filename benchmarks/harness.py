@@ -70,18 +70,18 @@ def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]] = ()
 
 
 # -- a nebula-fl federation ----------------------------------------------------------------------------
-def run_federation(args: list[str], *, folder: Path, log: Path | None = None,
-                   env: dict[str, str] | None = None) -> tuple[dict, list[dict]]:
-    """Run `nebula-fl run ARGS --out FOLDER` (output to LOG, or to the console; in `env`, e.g. another tree of
-    nebula-fl first on PYTHONPATH) and return its summary and its per-round records; a failed run stops the
-    benchmark with where to look."""
+def run_federation(args: list[str], *, folder: Path, log: Path | None = None, env: dict[str, str] | None = None,
+                   cwd: Path | None = None) -> tuple[dict, list[dict]]:
+    """Run `nebula-fl run ARGS --out FOLDER` (output to LOG, or to the console; in `env` and `cwd`, e.g. another
+    tree of nebula-fl: `python -m` puts the working folder first on sys.path) and return its summary and its
+    per-round records; a failed run stops the benchmark with where to look."""
     cmd = [sys.executable, "-m", "nebula_fl", "run", *args, "--out", str(folder)]
     folder.parent.mkdir(parents=True, exist_ok=True)
     if log is None:
-        proc = subprocess.run(cmd, env=env)
+        proc = subprocess.run(cmd, env=env, cwd=cwd)
     else:
         with log.open("w") as handle:
-            proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     if proc.returncode != 0:
         raise SystemExit(f"{folder.name} failed (exit {proc.returncode}); see {log or folder / 'logs'}")
     return read_run(folder)

@@ -13,8 +13,8 @@ round has no previous send and does not count.
 
 `--overlap both` runs the same federation with and without `eval-overlap` side by side (use it with a
 real model, e.g. `--model minilm --preset demo --rounds 5`, where evaluation takes seconds).
-`--against REF` runs the same federation with nebula-fl as of git REF too (a temporary worktree first on
-PYTHONPATH, for the launcher and every Flower process it starts), `--repeats` times each, the two sides
+`--against REF` runs the same federation with nebula-fl as of git REF too (a temporary worktree, the launcher's
+working folder and first on PYTHONPATH for every process it starts), `--repeats` times each, the two sides
 alternating: this tree against an earlier commit on the same machine in one run.
 
     .venv/bin/python benchmarks/overhead.py                 # ~2 min on 2 cores
@@ -179,7 +179,7 @@ def main() -> int:
                  "--local-steps", str(args.local_steps), "--port", "0",
                  *(["--device", args.device] if args.device else []),
                  "--run-config", f'model="{model}" eval-initial=false eval-overlap={str(overlap == "on").lower()}'],
-                folder=folder, log=folder.with_suffix(".log"), env=env)
+                folder=folder, log=folder.with_suffix(".log"), env=env, cwd=where)
             runs.setdefault(name, []).extend(lines)
             took.setdefault(name, []).append(time.monotonic() - launched)
         walls = {name: statistics.median(values) for name, values in took.items()}
