@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,7 +38,7 @@ def test_utilisation_medians_run_over_every_round_and_cluster_that_reports_it():
 def test_device_is_passed_to_nebula_fl_run_and_utilisation_lands_in_results(tmp_path, monkeypatch):
     calls = []
 
-    def fake_run(args, *, folder, log):
+    def fake_run(args, *, folder, log, env=None, cwd=None):
         calls.append(args)
         return {}, [_line(1, 4.0, {"0": {"compute_s": 1.0}}),
                     _line(2, 8.0, {"0": {"compute_s": 1.0, "busy_fraction": 0.75, "idle_s": 1.0}})]
@@ -54,3 +55,26 @@ def test_device_is_passed_to_nebula_fl_run_and_utilisation_lands_in_results(tmp_
     assert results["busy_fraction_median"] == {"eval-overlap on": 0.75, "eval-overlap off": 0.75}
     assert results["idle_s_median"] == {"eval-overlap on": 1.0, "eval-overlap off": 1.0}
     assert results["phase_medians"]["eval-overlap on"]["busy_fraction"] == 0.75
+
+
+def test_against_a_ref_alternates_the_two_trees_and_runs_the_other_from_its_own_worktree(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(args, *, folder, log, env=None, cwd=None):
+        here = None if cwd is None else (Path(cwd) / "nebula_fl" / "__init__.py").is_file()
+        calls.append((folder.name, cwd, (env or {}).get("PYTHONPATH", ""), here))
+        return {}, [_line(1, 4.0, {"0": {"compute_s": 1.0}}), _line(2, 9.0 if cwd else 7.0, {"0": {"compute_s": 1.0}})]
+
+    monkeypatch.setattr(overhead, "run_federation", fake_run)
+    monkeypatch.setattr(overhead, "plot", lambda runs, path: None)
+    monkeypatch.setattr(sys, "argv", ["overhead.py", "--against", "HEAD", "--repeats", "2", "--out",
+                                      str(tmp_path / "out")])
+    assert overhead.main() == 0
+    assert [c[0] for c in calls] == ["this-tree-0", "at-HEAD-0", "this-tree-1", "at-HEAD-1"]  # alternating
+    tree = tmp_path / "out" / "tree-HEAD"
+    assert calls[0][1] is None and calls[1][1] == tree and calls[1][2].startswith(str(tree)) and calls[1][3] is True
+    assert not tree.exists()  # the worktree is removed after
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    # two runs a side pooled, the period taken within each run only (never across the two runs' records)
+    assert results["phase_medians"]["this tree"]["period_s"] == 3.0
+    assert results["phase_medians"]["at HEAD"]["period_s"] == 5.0

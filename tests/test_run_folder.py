@@ -162,3 +162,34 @@ def test_a_record_failing_while_the_next_round_runs_fails_the_run_and_a_resume_r
     assert [line["accuracy"] for line in lines] == [0.1, 0.2, 0.3, 0.4]
     summary = folder.read_summary()
     assert summary["status"] == "completed" and summary["rounds_completed"] == 4 and summary["error"] is None
+
+
+def test_a_signal_whose_exception_turns_into_another_error_still_ends_the_run_as_interrupted(tmp_path, monkeypatch):
+    """SIGTERM's exception raised inside a lock's bookkeeping surfaces as another error (a RuntimeError "release
+    unlocked lock" was seen in a real run): the run is still interrupted (exit 130), never failed."""
+    import os
+    import signal
+
+    from nebula_fl.config import OuterConfig, RunConfig
+    from nebula_fl.server import app
+    from nebula_fl.strategies import make_strategy
+    from tests.test_round_faults import GatedGrid
+
+    monkeypatch.setattr(app, "ServerEvaluator", _Evaluator)
+    monkeypatch.setattr(app, "plot_metric_vs_bytes", lambda *args, **kwargs: None)
+    monkeypatch.setattr(app, "build_strategy", lambda cfg, initial=None: make_strategy(OuterConfig()))
+
+    def on_round(n):
+        if n == 2:
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler raises here, as in a lock's release
+                time.sleep(1)
+            except BaseException:
+                raise RuntimeError("release unlocked lock") from None
+
+    flat = {"out-dir": str(tmp_path / "run"), "num-server-rounds": 3, "min-clusters": 1}
+    with pytest.raises(SystemExit) as stop:
+        app.ServerRun(RunConfig.from_flat(flat)).run(GatedGrid({1: "0"}, on_round=on_round))
+    summary = RunFolder(tmp_path / "run").read_summary()
+    assert stop.value.code == 130 and summary["status"] == "interrupted" and summary["error"] == "stopped by SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is not None and [x["round"] for x in RunFolder(tmp_path / "run").rounds()] == [1]

@@ -106,8 +106,10 @@ def run_task(opts: RunnerOptions, token: str, app, *, acquired_at: float | None 
                  f"{fab.hash_str[:12]}): {err}")
             reply = Message(Error(code=ErrorCode.LOAD_CLIENT_APP_EXCEPTION, reason=details), reply_to=message)
         else:
-            meta = message.metadata
-            _log(f"run {run.run_id}: {meta.message_type} message" + (f", round {meta.group_id}" if meta.group_id else ""))
+            config = message.content.config_records.get("config") if message.has_content() else None
+            number = config.get("server-round") if config is not None else None
+            _log(f"run {run.run_id}: {message.metadata.message_type} message"
+                 + (f", round {number}" if number is not None else ""))
             current_task.started_at = acquired_at
             reply = app(message=message, context=context)
             outcome, sub_status, details = "completed", SubStatus.COMPLETED, ""

@@ -163,9 +163,11 @@ class ServerRun:
     def run(self, grid: Grid) -> None:
         self.folder.path.mkdir(parents=True, exist_ok=True)
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        stopped_by: list[str] = []  # the signal, even where its exception turns into another on the way up
 
         def _interrupt(signum, _frame):
-            raise Interrupted(signal.Signals(signum).name)
+            stopped_by.append(signal.Signals(signum).name)
+            raise Interrupted(stopped_by[0])
 
         for s in previous:
             signal.signal(s, _interrupt)
@@ -178,10 +180,12 @@ class ServerRun:
             raise
         try:
             self._run_rounds(grid, first_round, adapter, state)
-        except Interrupted as why:
-            self._finish("interrupted", error=f"stopped by {why}")
-            raise SystemExit(130) from None
         except BaseException as err:
+            # Raised inside a lock's bookkeeping (a queue, a condition), Interrupted can surface as another error
+            # ("release unlocked lock"): the signal is still why the run stopped.
+            if stopped_by:
+                self._finish("interrupted", error=f"stopped by {stopped_by[0]}")
+                raise SystemExit(130) from None
             self._finish("failed", error=f"{type(err).__name__}: {err}")
             raise
         finally:
