@@ -2,6 +2,7 @@
 and the SuperNode and its ClientApp runner as another; the kernel, asked as the SuperNode's user, opens nothing of
 the trainer's (data, state folder, policy) but its socket, through which `hello` says nothing of the data."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -137,3 +138,34 @@ def _deploy_and_check(base: Path, procs: ProcessSet) -> None:
     finally:
         procs.stop_all()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_check_access_names_what_another_user_opens_and_exits_one_for_anything_beyond_a_socket(tmp_path):
+    base = Path(tempfile.mkdtemp(prefix="nebula-access-", dir="/tmp"))
+    try:
+        with _python_reachable():
+            _check_access_cli(base, tmp_path / "out.json")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _check_access_cli(base: Path, out: Path) -> None:
+    from nebula_fl.cli import main
+
+    def check() -> tuple[int, dict]:
+        with out.open("w") as handle, contextlib.redirect_stdout(handle):
+            status = main(["check-access", "--user", "nobody", "--json", str(base)])
+        return status, json.loads(out.read_text())
+
+    base.chmod(0o755)
+    for name, mode in (("private", 0o600), ("open", 0o644)):
+        (base / name).write_text("x")
+        (base / name).chmod(mode)
+    status, report = check()
+    assert status == 1 and report["beyond_the_socket"] == [str(base), str(base / "open")]
+    assert {Path(p["path"]).name: p["opens"] for p in report["paths"]} == {base.name: True, "open": True,
+                                                                          "private": False}
+    (base / "open").chmod(0o600)
+    base.chmod(0o700)
+    status, report = check()
+    assert status == 0 and report["beyond_the_socket"] == [] and not any(p["opens"] for p in report["paths"])

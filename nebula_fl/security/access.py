@@ -78,9 +78,13 @@ def check_access(paths: Iterable[str | Path], *, uid: int, gid: int, groups: Ite
         raise NebulaError("checking another user's access needs root (it lists folders that user may not and runs "
                           "a probe as that user); run it with sudo")
     every = _every_path(Path(p).expanduser().resolve() for p in paths)
-    probe = subprocess.run([sys.executable, "-I", "-c", _PROBE], input=json.dumps([str(p) for p in every]),
-                           capture_output=True, text=True, user=uid, group=gid, extra_groups=list(groups),
-                           cwd="/", timeout=120)
+    try:
+        probe = subprocess.run([sys.executable, "-I", "-c", _PROBE], input=json.dumps([str(p) for p in every]),
+                               capture_output=True, text=True, user=uid, group=gid, extra_groups=list(groups),
+                               cwd="/", timeout=120)
+    except OSError as err:
+        raise NebulaError(f"uid {uid} cannot run this Python ({sys.executable}: {err.strerror}); install nebula-fl "
+                          "where the cluster's service users can run it") from None
     if probe.returncode != 0:
         raise NebulaError(f"the probe running as uid {uid} failed: {probe.stderr.strip().splitlines()[-1:]}; can that "
                           "user run this Python?")
