@@ -2,7 +2,7 @@
 
 A Unix socket (mode 0600) with multiprocessing's HMAC handshake on a key file beside it; each frame
 is a JSON header plus the tensors as safetensors bytes, so nothing is ever unpickled. This module
-imports neither torch nor transformers: it is what the per-message ``flwr-clientapp`` process loads.
+imports neither torch nor transformers: it is what the ClientApp runner (clients/runner.py) loads.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A cluster's persistent trainer: `workers` torch.distributed ranks, rank 0 serving a Unix socket.
 
-Started once per cluster beside its SuperNode (``nebula-fl trainer ...``); it outlives every
-per-message ``flwr-clientapp`` process, so model weights, tokenised data and worker processes are
-loaded once per run, never per round. The parent process only supervises: if any rank dies it stops
+Started once per cluster beside its SuperNode (``nebula-fl trainer ...``), as its own user where the cluster
+is deployed as documented (its state folder is that user's alone, the socket the one way in); it holds the
+model weights, tokenised data and worker processes for the whole run, never per round. The parent process only supervises: if any rank dies it stops
 the others and exits non-zero; on SIGTERM/SIGINT it stops them all and exits; if the parent itself
 is killed, the kernel kills the ranks (parent-death signal).
 

@@ -4,8 +4,8 @@ The launcher starts this process first (``python -m nebula_fl.launcher.watchdog`
 session and not tied to the launcher's life, and writes to its stdin one line per process it starts
 (``watch PID CREATE_TIME``), the paths to delete if it dies (``remove PATH``), and ``done`` once it
 has stopped everything itself. Every ~0.5 s the watchdog walks the trees of those processes and
-remembers every descendant with its create time: Flower's SuperLink and SuperNodes start
-flower-superexec in new sessions, which start flwr-serverapp / flwr-clientapp processes, so neither a
+remembers every descendant with its create time: Flower's SuperLink starts flower-superexec in a new
+session, which starts flwr-serverapp processes, so neither a
 process group nor the launcher's own children reach all of them. When stdin ends without ``done``
 (the launcher is gone: only it held the pipe's write end) the watchdog SIGTERMs every remembered
 process still alive (matching the create time, so a reused pid is never hit), waits a grace period
