@@ -22,9 +22,10 @@ from nebula_fl.errors import ConfigError
 from nebula_fl.launcher.federation import _bin, child_env, write_app
 from nebula_fl.launcher.plan import free_port, port_free
 from nebula_fl.launcher.processes import ProcessSet
-from tests.test_e2e import smoke_args
+from tests.test_e2e import rounds_of, smoke_args
 
 REPO = Path(__file__).resolve().parents[1]
+ROUNDS = 8
 
 
 def _zip(files: dict[str, bytes]) -> bytes:
@@ -171,7 +172,9 @@ def _evil_app(folder: Path, marks: Path) -> Path:
 def test_a_foreign_bundle_submitted_mid_run_runs_no_code_on_any_cluster(tiny_model, run_cli, tmp_path, secure):
     out, marks = tmp_path / "run", tmp_path / "marks"
     marks.mkdir()
-    cli = run_cli(*smoke_args(tiny_model, out, "--rounds", "3", *(["--secure"] if secure else [])), name="fed")
+    # rounds enough that the federation is still running when the foreign run's replies come back (~15 s after
+    # round 1: the submission, the foreign ServerApp's start, two Flower hops)
+    cli = run_cli(*smoke_args(tiny_model, out, "--rounds", str(ROUNDS), *(["--secure"] if secure else [])), name="fed")
     cli.wait(300, until=lambda: (out / "metrics.jsonl").exists())
     assert cli.popen.poll() is None, cli.output()[-3000:]
     # the submitter: its own Flower home, holding only the SuperLink's address (and, with TLS, the public CA)
@@ -182,6 +185,7 @@ def test_a_foreign_bundle_submitted_mid_run_runs_no_code_on_any_cluster(tiny_mod
     (home / "config.toml").write_text(tomli_w.dumps({"superlink": {"default": "target", "target": connection}}))
     _submit(_evil_app(tmp_path, marks), home=home, cwd=tmp_path)
     _wait_for_file(marks / "server-saw.json", 180, "the foreign ServerApp never heard back from the clusters")
+    assert cli.popen.poll() is None and len(rounds_of(out)) < ROUNDS  # the federation was still at work meanwhile
     assert cli.wait(300) == 0, cli.output()[-4000:]
     assert cli.survivors() == []
 
@@ -201,9 +205,9 @@ def test_a_foreign_bundle_submitted_mid_run_runs_no_code_on_any_cluster(tiny_mod
         assert "evilapp" not in (out / "logs" / f"trainer-{i}.log").read_text()  # the trainer never heard of it
     # ... and the federation went on: every round aggregated both clusters
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["rounds_completed"] == 3
+    assert summary["status"] == "completed" and summary["rounds_completed"] == ROUNDS
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["round"] for x in lines] == [1, 2, 3]
+    assert [x["round"] for x in lines] == list(range(1, ROUNDS + 1))
     assert all(set(x["clusters"]) == {"0", "1"} and not x["rejected"] for x in lines)
 
 
