@@ -398,8 +398,10 @@ def _group_id(group: str | None) -> int | None:
     """A group name or number as its id; one that does not exist is an error that says how to make it."""
     import grp
 
-    if group is None or group.isdigit():  # a numeric group needs no name
-        return None if group is None else int(group)
+    if group is None:
+        return None
+    if group.isdigit():  # a numeric group needs no name
+        return int(group)
     try:
         return grp.getgrnam(group).gr_gid
     except KeyError:

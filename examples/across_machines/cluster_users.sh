@@ -16,15 +16,13 @@ STATE_DIR="${STATE_DIR:-$TRAINER_DIR/state}" SOCKET_DIR="${SOCKET_DIR:-/run/nebu
 [ "$(id -u)" = 0 ] || { echo "cluster_users.sh: run it as root: it makes users and sets owners" >&2; exit 2; }
 numeric() { [[ "$1" =~ ^[0-9]+$ ]]; }
 primary() { if numeric "$1"; then echo "$1"; else id -g "$1"; fi; }
-numeric "$SOCKET_GROUP" || getent group "$SOCKET_GROUP" > /dev/null || groupadd --system "$SOCKET_GROUP"
-for user in "$TRAINER_USER" "$NODE_USER"; do
-  numeric "$user" || id -u "$user" > /dev/null 2>&1 ||
-    useradd --system --user-group --no-create-home --shell /usr/sbin/nologin "$user"
-done
-for user in "$TRAINER_USER" "$NODE_USER"; do  # the trainer shares its socket with the group, the node connects
-  numeric "$user" || usermod -aG "$SOCKET_GROUP" "$user"
-done
 [ "$TRAINER_USER" != "$NODE_USER" ] || { echo "cluster_users.sh: TRAINER_USER and NODE_USER must differ" >&2; exit 2; }
+numeric "$SOCKET_GROUP" || getent group "$SOCKET_GROUP" > /dev/null || groupadd --system "$SOCKET_GROUP"
+for user in "$TRAINER_USER" "$NODE_USER"; do  # the trainer shares its socket with the group, the node connects
+  numeric "$user" && continue
+  id -u "$user" > /dev/null 2>&1 || useradd --system --user-group --no-create-home --shell /usr/sbin/nologin "$user"
+  usermod -aG "$SOCKET_GROUP" "$user"
+done
 install -d -m 0755 "$NEBULA_ROOT"
 install -d -m 0700 -o "$TRAINER_USER" -g "$(primary "$TRAINER_USER")" "$TRAINER_DIR" "$STATE_DIR"
 install -d -m 0700 -o "$NODE_USER" -g "$(primary "$NODE_USER")" "$NODE_DIR"
