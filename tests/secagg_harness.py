@@ -17,6 +17,7 @@ from nebula_fl.clients.secagg_stage import SecAggRefusal, SecAggStage
 from nebula_fl.compression import Compressor, Layout
 from nebula_fl.compression.randk import RandK
 from nebula_fl.config import SecAggConfig
+from nebula_fl.secagg.identity import Identity
 from nebula_fl.strategies.compression import CompressionWrapper
 from nebula_fl.strategies.fedavg import AdapterFedAvg
 from nebula_fl.strategies.secure_aggregation import SecAggWrapper
@@ -159,7 +160,8 @@ def make_federation(tmp: Path, *, n: int, shapes: dict[str, tuple[int, ...]], co
     rng = np.random.default_rng(seed)
     layout = Layout.from_shapes(shapes)
     initial = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
-    clusters = [FakeCluster(cid=i, stage=SecAggStage(state_dir=tmp / f"c{i}", cluster_id=i),
+    roster = {str(i): Identity.load_or_create(tmp / f"c{i}" / "secagg").public for i in range(n)}  # operators' lines
+    clusters = [FakeCluster(cid=i, stage=SecAggStage(state_dir=tmp / f"c{i}", cluster_id=i, roster=roster),
                             update={k: rng.normal(0, 0.01, s).astype(np.float32) for k, s in shapes.items()},
                             weight=(weights or [10 * (i + 1) for i in range(n)])[i])
                 for i in range(n)]

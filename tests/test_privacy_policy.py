@@ -176,6 +176,9 @@ def test_the_trainer_refuses_to_start_without_a_plan_or_a_roster(fields, fragmen
     ({"require_secure_aggregation": True, "secagg_peers": "p.json", "min_secagg_threshold": 4,
       "min_secagg_clusters": 3}, "below the threshold 4; use at least 4"),
     ({"require_secure_aggregation": True, "secagg_peers": ""}, "'secagg_peers' is ''"),
+    ({"secagg_trust_server_membership": "yes"}, "'secagg_trust_server_membership' is 'yes'; use true or false"),
+    ({"secagg_trust_server_membership": True, "secagg_peers": "p.json"}, "drop secagg_trust_server_membership"),
+    ({"secagg_trust_server_membership": True, "require_secure_aggregation": True}, "give 'secagg_peers' (the roster)"),
 ])
 def test_bad_plans_and_secure_aggregation_requirements_are_refused_in_one_sentence(fields, fragment):
     with pytest.raises(ConfigError, match=re.escape(fragment)) as err:
@@ -202,7 +205,10 @@ def test_the_secure_aggregation_requirement_defaults_and_round_trips(tmp_path):
     old = PrivacyPolicy.load(tmp_path / "old.json")
     assert not old.require_secure_aggregation and old.secagg_peers is None and old.planned_rounds is None
     assert set(old.to_dict()) == {"mode", "min_noise_multiplier", "max_epsilon", "accountant",
-                                  "require_secure_aggregation"}
+                                  "require_secure_aggregation", "secagg_trust_server_membership"}
+    assert not old.secagg_trust_server_membership  # no roster and no opt-out: masked rounds are refused
+    trusting = PrivacyPolicy(secagg_trust_server_membership=True)  # the opt-out, without a requirement
+    assert PrivacyPolicy.from_dict(trusting.to_dict()) == trusting
 
 
 def test_trainer_flags_set_every_new_field_and_override_the_file(tmp_path, monkeypatch):
@@ -221,6 +227,11 @@ def test_trainer_flags_set_every_new_field_and_override_the_file(tmp_path, monke
     assert (policy.planned_rounds, policy.planned_local_steps, policy.planned_batch_size) == (50, 10, 256)
     assert policy.require_secure_aggregation and (policy.secagg_threshold, policy.secagg_clusters) == (3, 4)
     assert policy.secagg_peers == str(tmp_path / "mine.json") and policy.target_epsilon == 8
+    assert not policy.secagg_trust_server_membership
+    opted = _privacy_policy(parser().parse_args(["trainer", "--socket", "s", "--secagg-trust-server-membership"]))
+    assert opted.secagg_trust_server_membership and opted.secagg_peers is None
+    with pytest.raises(ConfigError, match="drop secagg_trust_server_membership"):  # the file's roster, and the flag
+        _privacy_policy(parser().parse_args([*base, "--secagg-trust-server-membership"]))
 
 
 def test_the_launchers_policy_plans_the_run_it_writes_for():

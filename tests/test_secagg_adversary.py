@@ -4,7 +4,8 @@ The campaigns (tests/secagg_adversary.py) tell every cluster what the server lik
 survivor set, invented dropouts, real ones, splits into camps, after an honest round — and an oracle
 rebuilds whatever the answers allow and unmasks whatever it can (real reconstruction, checked against the
 truth). The control switches the defence off and shows the same oracle recovering a cluster's update
-from the attack that motivated it; the named cases below replay, reorder and forge single messages.
+from the attack that motivated it; another shows its check of earlier rounds recovering one when a single
+key masks every round; the named cases below replay, reorder and forge single messages.
 """
 
 from __future__ import annotations
@@ -46,6 +47,32 @@ def test_without_the_defence_the_reported_attack_recovers_the_target(n, t, shm_t
     assert ep.exposed(ep.run(the_reported_attack(ep.ids, "0"))) == [(1, ("0",))]
 
 
+def test_a_key_rebuilt_for_a_dropout_unmasks_no_earlier_round(shm_tmp):
+    """Rule 4 is per mask key: cluster 3's holders revealed its self shares in round 1, and in round 2, which it
+    really dropped out of, they give the shares of its key of round 2 (the old rule, one key per epoch, refused
+    them). The oracle rebuilds that key and checks round 1 with it too: it opens no pair mask of round 1."""
+    ep = Epoch(shm_tmp, n=4, threshold=3)
+    ep.settle_honestly(absent=("3",))
+    reveals = ep.run(ep.honest())
+    assert not any(r.refusals for r in reveals.values())
+    assert ep.exposed(reveals) == []
+    assert set(ep.rebuilt_keys) == {"3/2"} and ep.used["3"][0] == 2
+    assert ep.rechecked == [(1, 0)], "round 1 was checked, and the key rebuilt in round 2 gave no pair key of it"
+    assert ep.public["3/2"] != ep.history[0].keys["3"][1]
+
+
+def test_without_rotation_a_key_rebuilt_for_a_dropout_unmasks_an_earlier_round(shm_tmp, monkeypatch):
+    """The earlier-round check has power: with one key for every round (the control's stage) and rule 4 keyed by
+    owner alone without its refusal, the key 3's holders give for round 2 is the one it masked round 1 with."""
+    monkeypatch.setattr(stage_module, "key_id", lambda cluster, seq: f"{cluster}/1")
+    monkeypatch.setattr(stage_module, "refuse_recover", lambda log, **k: None)
+    ep = Epoch(shm_tmp, n=4, threshold=3, rotate_keys=False)
+    ep.settle_honestly(absent=("3",))
+    found = ep.exposed(ep.run(ep.honest()))
+    assert set(ep.rebuilt_keys) == {"3/1"} and ep.rechecked[0][1] > 0
+    assert found == [(1, ("3",))]
+
+
 @pytest.mark.parametrize("absent", [(), ("4",), ("3", "4")])
 def test_an_honest_server_still_unmasks_the_exact_sum(absent, shm_tmp):
     ep = Epoch(shm_tmp, n=5, threshold=3, absent=absent)
@@ -67,7 +94,9 @@ def test_the_reported_attack_is_refused_by_the_target_and_no_share_of_it_leaves(
 
 # -- single messages replayed, reordered, forged -------------------------------------------------------------
 def unmask_request(ep: Epoch, holder: str, survivors, **extra):
-    return {**ep.base(survivors), **ep.forwarded(holder, survivors), "stage": "unmask", **extra}
+    """As the server words it: every receipt it holds rides on every unmask request (a dropout view's too)."""
+    return {**ep.base(survivors), **ep.forwarded(holder, survivors), "stage": "unmask",
+            "receipts": json.dumps(ep.receipts), **extra}
 
 
 def test_a_replayed_request_gets_the_same_answer_and_any_other_view_of_the_round_is_refused(shm_tmp):
@@ -100,7 +129,7 @@ def test_the_full_view_needs_every_receipt_of_this_round(shm_tmp):
     stage = ep.fresh("1")
     with pytest.raises(SecAggRefusal, match=r"no valid upload receipt of cluster\(s\) \['3'\]"):
         stage.handle(unmask_request(ep, "1", ep.ids, receipts=json.dumps(ep.receipts)))
-    forged = {**ep.receipts, "3": [ep.receipts["2"][0], ep.receipts["2"][1]]}  # another cluster's receipt
+    forged = {**ep.receipts, "3": list(ep.receipts["2"])}  # another cluster's receipt
     with pytest.raises(SecAggRefusal, match=r"receipt of cluster\(s\) \['3'\]"):
         stage.handle(unmask_request(ep, "1", ep.ids, receipts=json.dumps(forged)))
 
@@ -131,10 +160,13 @@ def test_a_forged_signature_does_not_certify_a_survivor_set(shm_tmp):
         stage.handle(unmask_request(ep, "1", survivors, signatures=json.dumps(sigs)))
 
 
-def test_a_round_is_masked_once(shm_tmp):
+def test_a_round_is_masked_once_and_a_mask_key_masks_only_its_round(shm_tmp):
     ep = Epoch(shm_tmp, n=3, threshold=2)
     with pytest.raises(SecAggRefusal, match="masked already in epoch"):
         ep.fresh("0").prepare(ep.train_config("0"))
+    stale = {**ep.train_config("0"), "server-round": 2}  # round 2, naming the neighbours' keys of round 1
+    with pytest.raises(SecAggRefusal, match="masks only the round it was made for"):
+        ep.fresh("0").prepare(stale)
 
 
 def test_a_cluster_told_another_round_set_than_the_rest_refuses_the_full_view(shm_tmp):
@@ -144,18 +176,22 @@ def test_a_cluster_told_another_round_set_than_the_rest_refuses_the_full_view(sh
 
     other = Identity.load_or_create(ep.stages["3"].folder)
     digest = ep.receipts["3"][0]
+    keys = ep.receipts["3"][2]
     split = other.sign("upload", *upload_fields(federation=FED, epoch=EPOCH, setup=ep.setup, server_round=1,
-                                                round_set=["1", "2", "3"], member="3", digest=digest))
+                                                round_set=["1", "2", "3"], member="3", keys=keys, digest=digest))
     stage = ep.fresh("1")
     with pytest.raises(SecAggRefusal, match=r"receipt of cluster\(s\) \['3'\]"):
-        stage.handle(unmask_request(ep, "1", ep.ids, receipts=json.dumps({**ep.receipts, "3": [digest, split]})))
+        stage.handle(unmask_request(ep, "1", ep.ids, receipts=json.dumps({**ep.receipts, "3": [digest, split, keys]})))
+
+
+ROUND = 2  # the round a second epoch's keys are made for
 
 
 # -- a forged member ------------------------------------------------------------------------------------------
 def test_a_member_the_roster_does_not_list_is_refused(shm_tmp):
     ep = Epoch(shm_tmp, n=3, threshold=2)
-    sybil = SecAggStage(state_dir=shm_tmp / "sybil", cluster_id=7)  # the server's own "cluster"
-    keys = sybil.handle({"stage": "keys", "federation-id": FED, "epoch": "epoch-2"})
+    sybil = SecAggStage(state_dir=shm_tmp / "sybil", cluster_id=7, trust_server_membership=True)  # the server's own
+    keys = sybil.handle({"stage": "keys", "federation-id": FED, "epoch": "epoch-2", "round": ROUND})
     request = _share_request(ep, "epoch-2", extra=("7", keys))
     with pytest.raises(SecAggRefusal, match=r"cluster\(s\) \['7'\] are not on this cluster's roster"):
         ep.stages["0"].handle(request)
@@ -163,11 +199,13 @@ def test_a_member_the_roster_does_not_list_is_refused(shm_tmp):
 
 def test_keys_the_server_swapped_for_a_members_are_refused(shm_tmp):
     ep = Epoch(shm_tmp, n=3, threshold=2)
-    imposter = SecAggStage(state_dir=shm_tmp / "imposter", cluster_id=2)  # holds keys, not cluster 2's identity
-    fake = imposter.handle({"stage": "keys", "federation-id": FED, "epoch": "epoch-2"})
+    imposter = SecAggStage(state_dir=shm_tmp / "imposter", cluster_id=2,  # holds keys, not cluster 2's identity
+                           trust_server_membership=True)
+    fake = imposter.handle({"stage": "keys", "federation-id": FED, "epoch": "epoch-2", "round": ROUND})
     request = _share_request(ep, "epoch-2", replace=("2", fake))
     with pytest.raises(SecAggRefusal, match=r"cluster\(s\) \['2'\] are not signed by their identity keys"):
         ep.stages["0"].handle(request)
+    ep.stages["1"].trust_server_membership = True  # the operator's opt-out (without it: no setup at all)
     ep.stages["1"].roster = None  # without a roster the server's word stands for the identity: only the
     request_no_roster = {**request, "id-pks": [ep.keys["0"]["id-pk"], ep.keys["1"]["id-pk"], ep.keys["2"]["id-pk"]]}
     with pytest.raises(SecAggRefusal, match="not signed by their identity keys"):  # signature still binds it
@@ -175,7 +213,8 @@ def test_keys_the_server_swapped_for_a_members_are_refused(shm_tmp):
 
 
 def _share_request(ep: Epoch, epoch: str, *, extra=None, replace=None):
-    members = {c: ep.stages[c].handle({"stage": "keys", "federation-id": FED, "epoch": epoch}) for c in ep.ids}
+    members = {c: ep.stages[c].handle({"stage": "keys", "federation-id": FED, "epoch": epoch, "round": ROUND})
+               for c in ep.ids}
     if extra:
         members[extra[0]] = extra[1]
     if replace:
@@ -184,7 +223,7 @@ def _share_request(ep: Epoch, epoch: str, *, extra=None, replace=None):
     return {"stage": "share", "federation-id": FED, "epoch": epoch, "members": ids,
             "c-pks": [members[c]["c-pk"] for c in ids], "s-pks": [members[c]["s-pk"] for c in ids],
             "id-pks": [members[c]["id-pk"] for c in ids], "key-sigs": [members[c]["key-sig"] for c in ids],
-            "num-shares": 0, "threshold": len(ids) // 2 + 1}
+            "num-shares": 0, "threshold": len(ids) // 2 + 1, "round": ROUND}
 
 
 def test_the_full_view_is_what_the_honest_server_uses_and_needs_no_signature(shm_tmp):
@@ -206,7 +245,7 @@ def test_signatures_made_under_another_setup_of_the_epoch_do_not_count(shm_tmp):
     signer = {c: Identity.load_or_create(ep.stages[c].folder) for c in ep.ids}
     receipts = {c: [ep.receipts[c][0], signer[c].sign("upload", *upload_fields(
         federation=FED, epoch=EPOCH, setup=other_setup, server_round=1, round_set=ep.ids, member=c,
-        digest=ep.receipts[c][0]))] for c in ep.ids}
+        keys=ep.receipts[c][2], digest=ep.receipts[c][0])), ep.receipts[c][2]] for c in ep.ids}
     with pytest.raises(SecAggRefusal, match="no valid upload receipt"):
         ep.fresh("1").handle(unmask_request(ep, "1", ep.ids, receipts=json.dumps(receipts)))
     fields = view_fields(federation=FED, epoch=EPOCH, setup=other_setup, server_round=1, round_set=ep.ids,

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from nebula_fl.clients.secagg_stage import SecAggStage
+from nebula_fl.clients.secagg_stage import SecAggRefusal, SecAggStage
 from nebula_fl.clients.trainer_service import IN_THE_CLEAR, in_the_clear
 from nebula_fl.errors import ConfigError, NebulaError
 from nebula_fl.privacy.policy import PrivacyPolicy
@@ -64,6 +64,34 @@ def test_a_stage_takes_its_roster_and_requirement_from_the_policy_and_says_so(tm
         SecAggStage.for_policy(state_dir=tmp_path / "state", cluster_id=1, policy=policy)
     with pytest.raises(NebulaError, match="does not list cluster 2"):
         SecAggStage.for_policy(state_dir=tmp_path / "state", cluster_id=2, policy=policy)
+
+
+def test_without_a_roster_a_cluster_refuses_key_setup_and_masked_rounds_unless_its_operator_opts_out(tmp_path):
+    keys = {"stage": "keys", "federation-id": "f", "epoch": "e1", "round": 1}
+    asks = {"keys": lambda stage: stage.handle(dict(keys)),
+            "share": lambda stage: stage.handle({**keys, "stage": "share", "members": ["0", "7"]}),
+            "round": lambda stage: stage.prepare({"federation-id": "f", "secagg-epoch": "e1", "server-round": 1})}
+    bare = SecAggStage.for_policy(state_dir=tmp_path / "bare", cluster_id=0, policy=PrivacyPolicy())
+    assert "no roster, so masked rounds are refused (give --secagg-peers)" in bare.describe()
+    for ask in asks.values():
+        with pytest.raises(SecAggRefusal, match="cluster 0 has no roster of secure-aggregation peers") as err:
+            ask(bare)
+        assert "--secagg-peers FILE" in str(err.value) and "--secagg-trust-server-membership" in str(err.value)
+        assert "\n" not in str(err.value)
+    assert not (tmp_path / "bare" / "secagg" / "f.json").exists()  # refused before anything was made or kept
+    with pytest.raises(SecAggRefusal, match="unknown to cluster 0"):  # other stages: their own checks (no epoch)
+        bare.handle({**keys, "stage": "unmask", "round": 1})
+
+    trusting = SecAggStage.for_policy(state_dir=tmp_path / "trusting", cluster_id=0,
+                                      policy=PrivacyPolicy(secagg_trust_server_membership=True))
+    assert trusting.membership_refusal() is None
+    assert "no roster, membership: the server's word (--secagg-trust-server-membership)" in trusting.describe()
+    assert set(asks["keys"](trusting)) == {"c-pk", "s-pk", "id-pk", "key-sig"}
+    with pytest.raises(SecAggRefusal, match="epoch e1 has no shares yet"):  # past the membership check
+        asks["round"](trusting)
+    with pytest.raises(NebulaError, match="exclude each other"):
+        SecAggStage(state_dir=tmp_path / "trusting", cluster_id=0, roster={"0": trusting.identity.public},
+                    trust_server_membership=True)
 
 
 def test_nebula_fl_identity_prints_the_same_roster_line_every_time(tmp_path):

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from nebula_fl.secagg.field import BITS, FieldCode, FieldError, add, decode_sum, encode, pack, subtract, unpack
 from nebula_fl.secagg.graph import degree_for, neighbours
-from nebula_fl.secagg.masks import KEY_BYTES, expand, pair_sign, round_key
+from nebula_fl.secagg.masks import KEY_BYTES, expand, pair_order, pair_sign, round_key
 from nebula_fl.secagg.shares import (
     KeyPair,
     ShareError,
@@ -251,15 +251,18 @@ def test_each_encoding_is_within_one_step(bits, clusters, max_weight, clip, seed
 
 
 def pair_masks(ids: list[str], *, bits: int, count: int, server_round: int) -> dict[str, np.ndarray]:
-    """Each member's net pairwise mask Σ_j ±expand(round_key(secret_ij)), with fresh EC key pairs."""
+    """Each member's net pairwise mask Σ_j ±expand(round_key(secret_ij)), with fresh EC key pairs, each member's
+    numbered differently (as mask keys of members that dropped out of different rounds are)."""
     code = FieldCode(bits=bits, clip=1.0, max_weight=1, clusters=1)
     pairs = {c: KeyPair.generate() for c in ids}
+    seqs = {c: i * 3 % 5 for i, c in enumerate(ids)}
     out = {}
     for c in ids:
         terms = [np.zeros(count, dtype=np.uint64)]
         for o in ids:
             if o != c:
-                key = round_key(pair_secret(pairs[c].private_pem, pairs[o].public), epoch="e1", server_round=server_round)
+                key = round_key(pair_secret(pairs[c].private_pem, pairs[o].public), epoch="e1", server_round=server_round,
+                                seqs=pair_order(c, o, seqs[c], seqs[o]))
                 m = expand(key, count=count, code=code)
                 terms.append(m if pair_sign(c, o) > 0 else np.uint64(0) - m)
         out[c] = field_sum(terms, bits)
@@ -376,10 +379,10 @@ def one_upload(bits: int, *, server_round: int, masked: bool = True, rng_seed: i
     if masked:
         me = "2"
         for other, secret in (("1", b"\x11" * 32), ("3", b"\x33" * 32)):
-            m = expand(round_key(secret, epoch="e1", server_round=server_round), count=count, code=code)
+            m = expand(round_key(secret, epoch="e1", server_round=server_round, seqs=(0, 0)), count=count, code=code)
             parts.append(m if pair_sign(me, other) > 0 else np.uint64(0) - m)
-        parts.append(expand(round_key(b"\x22" * 32, epoch="e1", server_round=server_round, purpose="self-mask"),
-                            count=count, code=code))
+        parts.append(expand(round_key(b"\x22" * 32, epoch="e1", server_round=server_round, seqs=(0, 0),
+                                      purpose="self-mask"), count=count, code=code))
     return pack(field_sum(parts, bits), bits=bits)
 
 
@@ -408,18 +411,22 @@ def test_two_rounds_of_the_same_update_are_unrelated(bits):
     assert np.mean(np.frombuffer(plain1, np.uint8) == np.frombuffer(plain2, np.uint8)) > 10 / 256  # unmasked: related
 
 
-def test_round_key_separates_rounds_epochs_purposes_and_secrets():
+def test_round_key_separates_rounds_epochs_purposes_secrets_and_key_numbers():
     secrets = [b"\x01" * 32, b"\x02" * 32, bytes(32)]
     keys = {}
-    for secret, epoch, rnd, purpose in itertools.product(secrets, ["e1", "e2", "E1"], [0, 1, 2, 10, 11],
-                                                         ["pair-mask", "self-mask"]):
-        k = round_key(secret, epoch=epoch, server_round=rnd, purpose=purpose)
+    for secret, epoch, rnd, seqs, purpose in itertools.product(secrets, ["e1", "e2", "E1"], [0, 1, 2, 10, 11],
+                                                               [(0, 0), (0, 1), (1, 0), (1, 1), (1, 10), (11, 0)],
+                                                               ["pair-mask", "self-mask"]):
+        k = round_key(secret, epoch=epoch, server_round=rnd, seqs=seqs, purpose=purpose)
         assert isinstance(k, bytes) and len(k) == KEY_BYTES
-        assert k == round_key(secret, epoch=epoch, server_round=rnd, purpose=purpose)
-        keys[secret, epoch, rnd, purpose] = k
+        assert k == round_key(secret, epoch=epoch, server_round=rnd, seqs=seqs, purpose=purpose)
+        keys[secret, epoch, rnd, seqs, purpose] = k
     assert len(set(keys.values())) == len(keys)
-    assert round_key(secrets[0], epoch="e1", server_round=3) == round_key(secrets[0], epoch="e1", server_round=3,
-                                                                          purpose="pair-mask")
+    assert round_key(secrets[0], epoch="e1", server_round=3, seqs=(2, 4)) == round_key(
+        secrets[0], epoch="e1", server_round=3, seqs=(2, 4), purpose="pair-mask")
+    # the numbers are bound as integers: a numpy integer derives the key a Python one does
+    assert round_key(secrets[0], epoch="e1", server_round=3, seqs=(0, 0)) == round_key(
+        secrets[0], epoch="e1", server_round=3, seqs=(np.int64(0), 0))
 
 
 def test_both_sides_of_a_pair_agree_and_other_pairs_do_not():
@@ -429,7 +436,15 @@ def test_both_sides_of_a_pair_agree_and_other_pairs_do_not():
     assert ab != pair_secret(a.private_pem, c.public) != pair_secret(b.private_pem, c.public)
     assert fernet_key(a.private_pem, b.public) == fernet_key(b.private_pem, a.public)
     assert base64.urlsafe_b64decode(fernet_key(a.private_pem, b.public)) == ab
-    assert round_key(ab, epoch="e", server_round=5) == round_key(ba, epoch="e", server_round=5)
+    assert round_key(ab, epoch="e", server_round=5, seqs=(0, 0)) == round_key(ba, epoch="e", server_round=5, seqs=(0, 0))
+    # each side passes its own key number first to pair_order: both derive the same round key, whoever is lower
+    for me, other in (("3", "12"), ("12", "3"), ("a", "3")):
+        mine, theirs = 2, 7
+        assert pair_order(me, other, mine, theirs) == pair_order(other, me, theirs, mine)
+        assert round_key(ab, epoch="e", server_round=5, seqs=pair_order(me, other, mine, theirs)) == round_key(
+            ba, epoch="e", server_round=5, seqs=pair_order(other, me, theirs, mine))
+    # a side that took the other's number for its own derives another key: the numbers are bound in order
+    assert round_key(ab, epoch="e", server_round=5, seqs=(2, 7)) != round_key(ab, epoch="e", server_round=5, seqs=(7, 2))
     # The private PEM is the key whose public half was published.
     assert a.private.public_key().public_bytes(serialization.Encoding.PEM,
                                                serialization.PublicFormat.SubjectPublicKeyInfo) == a.public

@@ -75,7 +75,13 @@ def test_clusters_that_drop_before_uploading_leave_the_sum_of_the_others(tmp_pat
     for c in clusters[:drops]:
         c.drop_before_upload.add(2)
     check_round(wrapper, clusters, grid, layout, initial, 2, "none", set(range(drops, 5)))
-    assert not wrapper.rekey, "a survivor revealed only that round's pair keys: no key was rebuilt"
+    assert "recovered" not in wrapper.report, "a survivor revealed only that round's pair keys: no key was rebuilt"
+    lacking = {c for c, k in wrapper.epoch["keys"].items() if k[0] != 3}
+    assert lacking == {str(c) for c in range(drops)}, "their upload, and round 3's key in it, never came"
+    check_round(wrapper, clusters, grid, layout, initial, 3, "none", set(range(5)))
+    assert wrapper.report["key_trips"] == 1, "one next-key trip, to them alone"
+    assert sum(1 for m in grid.sent if dict(m.content.config_records.get("secagg", {})).get("stage") == "next-key") \
+        == drops
 
 
 def stages_sent(grid, stage):
@@ -199,25 +205,31 @@ def test_a_cluster_silent_in_the_share_distribution_aborts_that_round_only(tmp_p
     check_round(wrapper, clusters, grid, layout, initial, 2, "none", {0, 1, 2})
 
 
-def test_a_dropped_cluster_whose_pair_keys_nobody_can_reveal_has_its_key_rebuilt_and_re_keys(tmp_path):
+def test_a_dropped_cluster_whose_pair_keys_nobody_can_reveal_has_its_key_rebuilt_and_masks_on_a_fresh_one(tmp_path):
     wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=5, shapes=SHAPES, cfg=fast())
     clusters[0].drop_before_upload.add(1)  # 0 never uploads ...
     clusters[1].drop_after_upload.add(1)  # ... and 1, who masked with 0, uploads and vanishes
     check_round(wrapper, clusters, grid, layout, initial, 1, "none", {1, 2, 3, 4})
-    assert wrapper.report["recovered"] == ["0"] and wrapper.rekey == {"0"}
+    assert wrapper.report["recovered"] == ["0"]
     epoch = wrapper.epoch["id"]
+    own = clusters[0].stage.state_dict()["fed1"]["epochs"][epoch]["mask_keys"]
+    assert own["1"]["round"] is None, "the rebuilt key (round 1's) never masked anything"
     check_round(wrapper, clusters, grid, layout, initial, 2, "none", set(range(5)))
-    assert wrapper.epoch["id"] != epoch and not wrapper.rekey, "cluster 0 re-keyed before it was sampled again"
+    assert wrapper.epoch["id"] == epoch and wrapper.report["key_trips"] == 1 and wrapper.report.get("setup_trips", 0) == 0
+    own = clusters[0].stage.state_dict()["fed1"]["epochs"][epoch]["mask_keys"]
+    assert own["2"]["round"] == 2 and own["2"]["pk"] != own["1"]["pk"], "round 2 was masked with round 2's own key"
 
 
-def test_a_key_is_never_rebuilt_once_a_self_mask_share_of_it_was_revealed(tmp_path):
+def test_a_revealed_self_mask_opens_one_round_and_the_next_round_s_key_can_still_be_rebuilt(tmp_path):
+    """Round 1 reveals 0's self mask (under its key 0); round 2 was to be masked with its key 1, which can be
+    rebuilt when 0 drops out of it: nothing of round 1 depends on it (reveal.py, rule 0)."""
     wrapper, clusters, grid, layout, initial = make_federation(tmp_path, n=5, shapes=SHAPES, cfg=fast())
     check_round(wrapper, clusters, grid, layout, initial, 1, "none", set(range(5)))  # 0's self mask revealed
     clusters[0].drop_before_upload.add(2)
     clusters[1].drop_after_upload.add(2)
-    (arrays, _), _ = run_round(wrapper, grid, 2, initial)
-    assert arrays is None and "the mask key of dropped cluster 0: 0 share(s)" in wrapper.report["aborted"]
-    assert any("self-mask share of cluster(s) ['0'] was revealed" in line for c in clusters for line in c.log)
+    check_round(wrapper, clusters, grid, layout, initial, 2, "none", {1, 2, 3, 4})
+    assert wrapper.report["recovered"] == ["0"] and wrapper.held is None
+    assert not any("refus" in line for c in clusters for line in c.log)
     check_round(wrapper, clusters, grid, layout, initial, 3, "none", set(range(5)))
 
 
@@ -280,14 +292,15 @@ def test_a_server_asking_for_both_halves_of_a_secret_is_refused(tmp_path):
     log.views[1] = [["0", "1"], ["2"]]
     assert "one view of a round" in refuse_view(log, survivors={"0", "1", "2"}, dropped=set(), **view)
     assert refuse_view(log, survivors={"0", "1"}, dropped={"2"}, **view) is None
-    log.self_shares[1], log.views[2] = {"1"}, [["0", "2"], ["1"]]
-    assert "did not drop out of round 2" in refuse_recover(log, server_round=2, clusters={"1"})  # only signed
+    log.self_keys, log.views[2] = {"1/3"}, [["0", "2"], ["1"]]
+    assert "did not drop out of round 2" in refuse_recover(log, server_round=2, wanted={"1": "1/3"})  # only signed
     log.certified.add(2)  # unmasked under that view: its evidence was checked
-    assert "self-mask share of cluster(s) ['1']" in refuse_recover(log, server_round=2, clusters={"1"})
-    assert "did not drop out of round 1" in refuse_recover(log, server_round=1, clusters={"0"})
-    log.key_shares = {"4"}
-    assert "key of cluster(s) ['4'] was revealed" in refuse_unmask(log, server_round=5, survivors={"4"})
-    assert refuse_unmask(log, server_round=5, survivors={"0"}) is None
+    assert "self-mask share of cluster(s) ['1']" in refuse_recover(log, server_round=2, wanted={"1": "1/3"})
+    assert refuse_recover(log, server_round=2, wanted={"1": "1/4"}) is None, "another key of 1: another round"
+    assert "did not drop out of round 1" in refuse_recover(log, server_round=1, wanted={"0": "0/0"})
+    log.key_shares = {"4/2"}
+    assert "mask key of cluster(s) ['4']" in refuse_unmask(log, server_round=5, survivor_keys={"4": "4/2"})
+    assert refuse_unmask(log, server_round=5, survivor_keys={"4": "4/3", "0": "0/2"}) is None
 
     clusters, request = _set_up_stage(tmp_path)  # on a real stage: round 1 unmasked, 1 survived
     stage = clusters[0].stage
@@ -300,7 +313,8 @@ def test_a_server_asking_for_both_halves_of_a_secret_is_refused(tmp_path):
 def test_a_restarted_cluster_keeps_its_keys_and_its_promises(tmp_path):
     clusters, request = _set_up_stage(tmp_path)
     first = clusters[0].stage.handle(dict(request))
-    again = SecAggStage(state_dir=tmp_path / "c0", cluster_id=0)  # a new process on the same state folder
+    again = SecAggStage(state_dir=tmp_path / "c0", cluster_id=0,  # a new process on the same state folder
+                        roster=clusters[0].stage.roster)
     assert again.handle(dict(request)) == first
     with pytest.raises(SecAggRefusal, match="unmasked already"):
         again.handle({**request, "survivors": ["0", "1"], "dropped": ["2"]})

@@ -4,6 +4,7 @@ cluster and its hardware only; a refusal under secure aggregation follows the ro
 
 import numpy as np
 
+from nebula_fl.clients.outgoing import released
 from nebula_fl.clients.protocol import unpack
 from nebula_fl.clients.trainer_service import IN_THE_CLEAR, Boundary, Round, TrainerOptions, describe
 from nebula_fl.config import RunConfig
@@ -27,8 +28,8 @@ def _refusal(boundary: Boundary, config: dict) -> dict:
     assert not admission.allowed
     try:
         boundary._decline(rnd, admission, admission.refusal)
-    except Exception as answer:  # Answer: the frame the round is answered with
-        return unpack(answer.frame)[0]["metrics"]
+    except Exception as answer:  # Answer: the frame the round is answered with, as it leaves (released)
+        return unpack(released(answer.frame, secure=boundary._secure(config)))[0]["metrics"]
     raise AssertionError("a refused round was not answered")
 
 

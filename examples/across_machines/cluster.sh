@@ -8,9 +8,12 @@
 # PRIVACY_POLICY (optional) is this cluster's own privacy policy, a JSON file such as
 #   {"mode": "sample", "target_epsilon": 8, "max_epsilon": 8, "planned_rounds": 20, "planned_local_steps": 10}
 # whatever the server asks, nothing weaker leaves the cluster, and its ledger lives in STATE_DIR.
-# REQUIRE_SECURE_AGGREGATION=1 (optional) trains only securely aggregated rounds; it needs SECAGG_PEERS, the
-# roster of the other clusters' secure-aggregation identity keys (exchanged by the operators out of band);
-# MIN_SECAGG_THRESHOLD and MIN_SECAGG_CLUSTERS (optional) raise the fewest clusters unmasked / masked together.
+# SECAGG_PEERS is the roster of every cluster's secure-aggregation identity key (the lines `nebula-fl identity`
+# prints, exchanged by the operators out of band): without it this cluster refuses securely aggregated rounds,
+# unless SECAGG_TRUST_SERVER_MEMBERSHIP=1 takes the server's word for who the members are (a server that invents
+# the others reads this cluster's update). REQUIRE_SECURE_AGGREGATION=1 (optional, needs SECAGG_PEERS) trains
+# only securely aggregated rounds; MIN_SECAGG_THRESHOLD and MIN_SECAGG_CLUSTERS (optional) raise the fewest
+# clusters unmasked / masked together.
 # These override the same fields of PRIVACY_POLICY.
 # Users (the documented deployment; run as root after cluster_users.sh with the same variables): with
 # TRAINER_USER set, the trainer runs as TRAINER_USER and the SuperNode and runner as NODE_USER (in
@@ -56,6 +59,7 @@ if [ "${REQUIRE_SECURE_AGGREGATION:-0}" = 1 ]; then POLICY+=(--require-secure-ag
 if [ -n "${MIN_SECAGG_THRESHOLD:-}" ]; then POLICY+=(--min-secagg-threshold "$MIN_SECAGG_THRESHOLD"); fi
 if [ -n "${MIN_SECAGG_CLUSTERS:-}" ]; then POLICY+=(--min-secagg-clusters "$MIN_SECAGG_CLUSTERS"); fi
 if [ -n "${SECAGG_PEERS:-}" ]; then POLICY+=(--secagg-peers "$SECAGG_PEERS"); fi
+if [ "${SECAGG_TRUST_SERVER_MEMBERSHIP:-0}" = 1 ]; then POLICY+=(--secagg-trust-server-membership); fi
 NODE_PORT="${NODE_PORT:-9094}"
 "${AS_TRAINER[@]}" nebula-fl trainer --socket "$SOCKET" "${TRAINER_FLAGS[@]}" --cluster-id "$CLUSTER_ID" \
   --data "$DATA" --workers "${WORKERS:-1}" --device "${DEVICE:-cpu}" --model "${MODEL:-minilm}" \

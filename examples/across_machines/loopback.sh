@@ -46,10 +46,12 @@ else
 fi
 
 SHARD="--dataset bbcnews --num-clusters 2 --partition dirichlet:0.5 --seed 0 --max-examples ${MAX_EXAMPLES:-0}"
+# the roster every operator gets from the others (`nebula-fl identity`): masked rounds (secagg.enabled=true) need it
+for i in 0 1; do nebula-fl identity --state-dir "$WORK/state-$i" --cluster-id $i; done > "$WORK/peers.txt"
 for i in 0 1; do
   # shellcheck disable=SC2086
   FLWR_HOME="$WORK/flwr-cluster-$i" start nebula-fl trainer --socket "$WORK/t$i.sock" --cluster-id $i \
-    --workers $((i + 1)) --threads 1 --state-dir "$WORK/state-$i" $SHARD
+    --workers $((i + 1)) --threads 1 --state-dir "$WORK/state-$i" --secagg-peers "$WORK/peers.txt" $SHARD
 done
 until [ -S "$WORK/t0.sock" ] && [ -S "$WORK/t1.sock" ]; do sleep 1; done
 for i in 0 1; do

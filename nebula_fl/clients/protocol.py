@@ -34,25 +34,39 @@ def key_path(socket_path: str | Path) -> Path:
 
 
 def pack(header: dict[str, Any], arrays: Arrays | None = None) -> bytes:
-    head = json.dumps(header).encode()
     body = st_save({k: np.ascontiguousarray(v) for k, v in arrays.items()}) if arrays else b""
+    return join(header, body)
+
+
+def join(header: dict[str, Any], body: bytes | memoryview) -> bytes:
+    """A frame of this header and an already serialised body (`split`'s inverse)."""
+    head = json.dumps(header).encode()
     return _HEADER.pack(len(head)) + head + body
 
 
-def unpack(frame: bytes) -> tuple[dict[str, Any], Arrays]:
+def split(frame: bytes) -> tuple[dict[str, Any], memoryview]:
+    """(header, a view of the body) without decoding or copying the body: a frame's header can be read and
+    rewritten while its tensors pass through untouched."""
     if len(frame) < _HEADER.size:
         raise ValueError("truncated frame")
     (n,) = _HEADER.unpack_from(frame)
     if _HEADER.size + n > len(frame):
         raise ValueError("frame header runs past its end")
-    body = frame[_HEADER.size + n :]
     try:
         header = json.loads(frame[_HEADER.size : _HEADER.size + n])
-        arrays = st_load(body) if body else {}
-    except (ValueError, KeyError, SafetensorError, RecursionError) as err:  # KeyError: a dtype numpy lacks; RecursionError: deep JSON
+    except (ValueError, RecursionError) as err:  # RecursionError: deep JSON
         raise ValueError(f"malformed frame: {err}") from None
     if not isinstance(header, dict):
         raise ValueError("malformed frame: the header is not an object")
+    return header, memoryview(frame)[_HEADER.size + n :]
+
+
+def unpack(frame: bytes) -> tuple[dict[str, Any], Arrays]:
+    header, body = split(frame)
+    try:
+        arrays = st_load(bytes(body)) if body else {}
+    except (ValueError, KeyError, SafetensorError) as err:  # KeyError: a dtype numpy lacks
+        raise ValueError(f"malformed frame: {err}") from None
     return header, arrays
 
 

@@ -36,8 +36,8 @@ class ReplyCache:
             return []
         rounds = []
         for path in folder.glob("round-*.frame"):
-            match = re.fullmatch(r"round-(\d{6})\.frame", path.name)
-            if match:
+            match = re.fullmatch(r"round-(\d+)\.frame", path.name)  # 6 digits at least, more past round 999,999
+            if match and path.name == FRAME.format(int(match.group(1))):  # one name per round: the one put() writes
                 rounds.append(int(match.group(1)))
         return sorted(rounds)
 

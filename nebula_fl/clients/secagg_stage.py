@@ -2,16 +2,20 @@
 
 Lives on rank 0 beside the privacy gate, so only masked vectors leave the cluster. Requests come from the
 server (through the ClientApp): `keys` (a new epoch: two fresh EC key pairs, public halves out, signed
-with the cluster's identity key), `share` (the epoch's members, their keys and signatures, checked against
-the roster; the mask key is Shamir-shared among the neighbours and itself, each share sealed to its
-holder), then per round the masking of the update (the train request carries the epoch, the round set
-and, once, the key shares sealed to this cluster; the upload carries commitments and a signed receipt),
-`view` (only in a round with dropouts: sign the survivor set, once), `unmask` (self-mask shares of
-survivors, pair keys with clusters that dropped, on the evidence reveal.py demands; with round-overlap it
-rides on the next round's train message and its answer on that round's reply: `answer_riding`) and,
-rarely, `recover` (key shares of a dropped cluster). `secagg/reveal.py` holds every rule and why it is enough. The state
-(private keys included) is a 0600 JSON file in the state folder, written before any reply leaves, so a
-restarted trainer keeps its keys and its promises.
+with the cluster's identity key: `c` seals shares for the whole epoch, `s` is mask key 0), `share` (the
+epoch's members, their keys and signatures, checked against the roster; mask key 0 is Shamir-shared among
+the neighbours and itself, each share sealed to its holder), then per round the masking of the update:
+the train request carries the epoch, the round set, the mask key each neighbour in the round masks with
+(signed by its owner) and the shares of neighbours' keys sealed to this cluster; the upload carries
+commitments, a signed receipt naming the keys used, and this cluster's *next* mask key (its public half
+signed, its private half shared and sealed): a mask key masks one round (reveal.py, rule 0), at no extra
+trip. Then `view` (only in a round with dropouts: sign the survivor set, once), `unmask` (self-mask shares
+of survivors, pair keys with clusters that dropped, on the evidence reveal.py demands; with round-overlap
+it rides on the next round's train message and its answer on that round's reply: `answer_riding`) and,
+rarely, `recover` (shares of the keys dropped clusters were to mask a round with) and `next-key` (this
+cluster's unused key again, for a server that lost the upload carrying it). `secagg/reveal.py` holds every
+rule and why it is enough. The state (private keys included) is a 0600 JSON file in the state folder,
+written before any reply leaves, so a restarted trainer keeps its keys and its promises.
 """
 
 from __future__ import annotations
@@ -34,15 +38,17 @@ from nebula_fl.secagg import evidence, field, graph, shares
 from nebula_fl.secagg.field import FieldCode, FieldError
 from nebula_fl.secagg.identity import Identity, check_public, load_roster, verify
 from nebula_fl.secagg.masking import mask_input
-from nebula_fl.secagg.masks import pair_sign, round_key
-from nebula_fl.secagg.reveal import RevealLog, refuse_recover, refuse_unmask, refuse_view
+from nebula_fl.secagg.masks import pair_order, pair_sign, round_key
+from nebula_fl.secagg.reveal import RevealLog, key_id, refuse_keys, refuse_recover, refuse_unmask, refuse_view
 from nebula_fl.secagg.shares import KeyPair, ShareError
 from nebula_fl.secagg.wire import commitment, digest, pack_upload
 
 EPOCH_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 KEPT_EPOCHS = 2
 KEPT_ROUNDS = 8
-STATE_VERSION = 2  # state of an older layout is set aside: its epochs are unknown, so the server re-keys
+KEPT_KEYS = KEPT_ROUNDS + 2  # own mask keys kept: one per round kept (a dropout round asks for pair keys), and the next
+KEPT_KEY_SHARES = 64  # neighbours' mask-key shares kept, newest numbers first
+STATE_VERSION = 3  # state of an older layout is set aside: its epochs are unknown, so the server re-keys
 
 
 class SecAggRefusal(NebulaError):
@@ -82,6 +88,8 @@ class RoundPlan:
     round_set: tuple[str, ...]
     code: FieldCode
     threshold: int
+    keys: dict[str, tuple[int, str]]
+    """Member -> (number, public key) of the mask key it masks this round with: this cluster and its neighbours."""
 
 
 def _members(value: Any, what: str) -> set[str]:
@@ -110,10 +118,18 @@ def _round_number(value: Any) -> int:
 
 class SecAggStage:
     def __init__(self, *, state_dir: Path, cluster_id: int, roster: dict[str, str] | None = None,
-                 requirement: Requirement | None = None) -> None:
+                 requirement: Requirement | None = None, trust_server_membership: bool = False,
+                 rotate_keys: bool = True) -> None:
         self.me = str(cluster_id)
         self.folder = state_dir / "secagg"
         self.roster, self.requirement = roster, requirement
+        self.trust_server_membership = trust_server_membership  # without a roster: the operator's explicit opt-out
+        # False only in the adversary campaign's control: one mask key for every round of an epoch, the layout
+        # whose multi-round attack the campaign must find (tests/test_secagg_campaign.py)
+        self.rotate_keys = rotate_keys
+        if roster is not None and trust_server_membership:
+            raise NebulaError("a roster and trust in the server's membership exclude each other; drop "
+                              "--secagg-trust-server-membership (the roster says who the members are)")
         self.lock = threading.Lock()
         self.states: dict[str, dict[str, Any]] = {}  # federation -> its state
         self._identity: Identity | None = None
@@ -126,11 +142,13 @@ class SecAggStage:
 
     @classmethod
     def for_policy(cls, *, state_dir: Path, cluster_id: int, policy: Any) -> SecAggStage:
-        """The stage a cluster's privacy policy sets up: its roster (`secagg_peers`) and its requirement, if any."""
+        """The stage a cluster's privacy policy sets up: its roster (`secagg_peers`) or its operator's trust in the
+        server's membership, and its requirement, if any."""
         roster = load_roster(policy.secagg_peers) if policy.secagg_peers else None
         requirement = (Requirement(min_threshold=policy.secagg_threshold, min_clusters=policy.secagg_clusters)
                        if policy.require_secure_aggregation else None)
-        return cls(state_dir=state_dir, cluster_id=cluster_id, roster=roster, requirement=requirement)
+        return cls(state_dir=state_dir, cluster_id=cluster_id, roster=roster, requirement=requirement,
+                   trust_server_membership=policy.secagg_trust_server_membership)
 
     def describe(self) -> str:
         """One phrase for the trainer's start line."""
@@ -138,8 +156,9 @@ class SecAggStage:
                 f"required, in sums of at least {self.requirement.min_threshold} of at least "
                 f"{self.requirement.min_clusters} clusters")
         who = (f"roster of {len(self.roster)} clusters" if self.roster is not None else
-               "no roster (--secagg-peers): the server alone says who the members are, so a lying server could "
-               "add members of its own")
+               "no roster, membership: the server's word (--secagg-trust-server-membership), so a lying server "
+               "could add members of its own" if self.trust_server_membership else
+               "no roster, so masked rounds are refused (give --secagg-peers)")
         return f"secure aggregation: {need}, {who}"
 
     def requirement_refusal(self, config: dict[str, Any]) -> str | None:
@@ -164,6 +183,15 @@ class SecAggStage:
             return (f"the server masks {len(round_set)} clusters together; this cluster's policy requires at least "
                     f"{need.min_clusters}")
         return None
+
+    def membership_refusal(self) -> str | None:
+        """Why this cluster joins no key setup or masked round: with no roster, the server alone would say who the
+        members are, and one that invents the others reads this cluster's update from its upload alone."""
+        if self.roster is not None or self.trust_server_membership:
+            return None
+        return (f"cluster {self.me} has no roster of secure-aggregation peers, so the server alone would name the "
+                "members; give its trainer --secagg-peers FILE (the lines `nebula-fl identity` prints on each "
+                "cluster), or opt out with --secagg-trust-server-membership")
 
     @property
     def identity(self) -> Identity:
@@ -191,7 +219,7 @@ class SecAggStage:
         epochs = sorted(state["epochs"], key=lambda e: state["epochs"][e]["created"])
         for old in epochs[:-KEPT_EPOCHS]:
             del state["epochs"][old]
-        for old in sorted(state["rounds"], key=int)[:-KEPT_ROUNDS]:
+        for old in sorted(state["rounds"], key=lambda r: state["rounds"][r]["created"])[:-KEPT_ROUNDS]:
             del state["rounds"][old]
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self._path(federation).with_suffix(".tmp")
@@ -224,10 +252,12 @@ class SecAggStage:
     # -- requests from the server ------------------------------------------------------------------
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         """One setup or unmasking request; returns the reply (raises SecAggRefusal with the reason)."""
+        if request.get("stage") in ("keys", "share") and (why := self.membership_refusal()):
+            raise SecAggRefusal(why)
         stage, federation, epoch = request.get("stage"), request.get("federation-id"), request.get("epoch")
         _check_ids(federation, epoch)
         handlers = {"keys": self._keys, "share": self._share, "view": self._view, "unmask": self._unmask,
-                    "recover": self._recover}
+                    "recover": self._recover, "next-key": self._next_key}
         if not isinstance(stage, str) or stage not in handlers:
             raise SecAggRefusal(f"unknown secure-aggregation stage {stage!r}")
         with self.lock:
@@ -249,17 +279,22 @@ class SecAggStage:
         except (SecAggRefusal, ValueError, KeyError, TypeError) as err:
             return {"refused": f"secure aggregation (unmask): {err}"}
 
-    def _keys(self, federation: str, epoch: str, _request: dict[str, Any]) -> dict[str, Any]:
+    def _keys(self, federation: str, epoch: str, request: dict[str, Any]) -> dict[str, Any]:
+        """Two fresh key pairs for a new epoch: `c` seals shares all epoch, `s` is the mask key of the epoch's
+        first round (`round`), and the signature binds it to that round (reveal.py, rule 0)."""
+        first = _round_number(request.get("round"))
         epochs = self._state(federation)["epochs"]
         if epoch not in epochs:  # a replayed request gets the same keys, never a second pair for one epoch
             c, s = KeyPair.generate(), KeyPair.generate()
             epochs[epoch] = {"created": max((e["created"] for e in epochs.values()), default=-1) + 1,
-                             "c_sk": c.private_pem.decode(), "c_pk": c.public.decode(),
+                             "first_round": first, "c_sk": c.private_pem.decode(), "c_pk": c.public.decode(),
                              "s_sk": s.private_pem.decode(), "s_pk": s.public.decode()}
             self._save(federation)
         e = epochs[epoch]
+        if e["first_round"] != first:
+            raise SecAggRefusal(f"epoch {epoch}'s keys were made for round {e['first_round']}, not {first}")
         return {"c-pk": e["c_pk"], "s-pk": e["s_pk"], "id-pk": self.identity.public,
-                "key-sig": self.identity.sign("keys", federation, epoch, self.me, e["c_pk"], e["s_pk"])}
+                "key-sig": self.identity.sign("keys", federation, epoch, self.me, e["c_pk"], e["s_pk"], first)}
 
     def _identities(self, members: list[str], offered: list[Any]) -> dict[str, str]:
         """Each member's identity key: the roster's, or (without a roster) the one the server forwarded."""
@@ -283,7 +318,8 @@ class SecAggStage:
                 and all(isinstance(m, str) for m in members) and all(isinstance(k, str) for k in c_pks + s_pks)):
             raise SecAggRefusal("the share request's members, public keys and signatures do not line up")
         setup = evidence.setup_record(members=members, c_pks=c_pks, s_pks=s_pks, id_pks=id_pks, sigs=sigs,
-                                      num_shares=request.get("num-shares"), threshold=request.get("threshold"))
+                                      num_shares=request.get("num-shares"), threshold=request.get("threshold"),
+                                      first_round=request.get("round"))
         if "setup" in e:  # a replay: the same answer, or a refusal if the server changed anything
             if e["setup"] != setup:
                 raise SecAggRefusal(f"epoch {epoch} was set up already with other members or keys")
@@ -291,13 +327,16 @@ class SecAggStage:
         if self.me not in members or len(set(members)) != len(members):
             raise SecAggRefusal(f"cluster {self.me} is not once among the epoch's members {members}")
         mine = members.index(self.me)
+        if request.get("round") != e["first_round"]:
+            raise SecAggRefusal(f"the share request is for round {request.get('round')!r}; this cluster's keys for "
+                                f"epoch {epoch} were made for round {e['first_round']}")
         if (c_pks[mine], s_pks[mine]) != (e["c_pk"], e["s_pk"]):
             raise SecAggRefusal("the server lists other public keys for this cluster than the ones it gave")
         if len(set(c_pks)) != len(c_pks) or len(set(s_pks)) != len(s_pks):
             raise SecAggRefusal("two members of the epoch share a public key")
         ids = self._identities(members, id_pks)
         forged = [m for m, c, s, sig in zip(members, c_pks, s_pks, sigs)
-                  if not verify(ids[m], sig, "keys", federation, epoch, m, c, s)]
+                  if not verify(ids[m], sig, "keys", federation, epoch, m, c, s, e["first_round"])]
         if forged:
             raise SecAggRefusal(f"the keys the server lists for cluster(s) {forged} are not signed by their identity "
                                 "keys: forged or altered on the way")
@@ -323,11 +362,13 @@ class SecAggStage:
             if holder == self.me:
                 e["own_key_share"] = b64(piece)
                 continue
-            header = {"kind": "key", "from": self.me, "to": holder, "epoch": epoch}
+            header = {"kind": "key", "from": self.me, "to": holder, "epoch": epoch, "seq": e["first_round"]}
             tokens[holder] = shares.seal(self._seal_key(e, holder, setup), header=header, share=piece).decode()
         e.update(setup=setup, setup_digest=evidence.setup_digest(setup), ids=ids,
                  graph={m: list(v) for m, v in nbrs_of.items()}, neighbours=list(nbrs), threshold=threshold,
-                 tokens=tokens, key_shares={}, log=RevealLog().state_dict())
+                 tokens=tokens, key_shares={}, log=RevealLog().state_dict(),
+                 mask_keys={str(e["first_round"]): {"sk": e["s_sk"], "pk": e["s_pk"], "sig": "", "round": None,
+                                                    "own_share": e["own_key_share"], "tokens": tokens}})
         self._save(federation)
         return {"to": list(tokens), "tokens": list(tokens.values())}
 
@@ -339,6 +380,8 @@ class SecAggStage:
     # -- a secure round ----------------------------------------------------------------------------
     def prepare(self, config: dict[str, Any]) -> RoundPlan:
         """Check a secure round's train request and keep the key shares it delivers; before any training."""
+        if why := self.membership_refusal():
+            raise SecAggRefusal(why)
         federation, epoch, rnd = config.get("federation-id"), config.get("secagg-epoch"), config.get("server-round")
         _check_ids(federation, epoch)
         if why := self.requirement_refusal(config):  # the trainer asks first, to refuse as its policy; never skipped
@@ -356,43 +399,118 @@ class SecAggStage:
             if len(holders) < e["threshold"]:
                 raise SecAggRefusal(f"only {len(holders)} of this cluster's share holders are in the round; "
                                     f"{e['threshold']} are needed to unmask it")
-            done = self._state(str(federation))["rounds"].get(str(rnd))
-            if done is not None and done["epoch"] == epoch:
-                raise SecAggRefusal(f"round {rnd} was masked already in epoch {epoch}; a round is masked once, or two "
-                                    "uploads under the same pair masks would unmask each other's difference")
+            if _round_id(epoch, rnd) in self._state(str(federation))["rounds"]:
+                raise SecAggRefusal(f"round {rnd} was masked already in epoch {epoch}; a round is masked once, under "
+                                    "one round set")
             try:
                 code = FieldCode(bits=int(config["secagg-bits"]), clip=float(config["secagg-clip"]),
                                  max_weight=int(config["secagg-max-weight"]), clusters=len(round_set))
             except (KeyError, TypeError, ValueError) as err:
                 raise SecAggRefusal(f"the round's field encoding is invalid: {err}") from None
+            keys = self._round_keys(e, federation=federation, epoch=epoch, server_round=rnd, round_set=set(round_set),
+                                    named=evidence.json_map(config.get("secagg-keys")))
             self._deliver(e, epoch=epoch, config=config)
             self._save(federation)
-            return RoundPlan(federation=federation, epoch=epoch, server_round=rnd,
-                             round_set=tuple(round_set), code=code, threshold=int(e["threshold"]))
+            return RoundPlan(federation=federation, epoch=epoch, server_round=rnd, round_set=tuple(round_set),
+                             code=code, threshold=int(e["threshold"]), keys=keys)
+
+    def _round_keys(self, e: dict[str, Any], *, federation: str, epoch: str, server_round: int, round_set: set[str],
+                    named: dict[str, Any]) -> dict[str, tuple[int, str]]:
+        """Member -> (the round its key is bound to, public key) for this cluster and its neighbours in the round:
+        each must be its owner's key of exactly this round (signed by the owner with the round; the epoch's first
+        round: the setup's key), so a key masks one round whatever the server names (reveal.py, rule 0)."""
+        own = self._own_key(e, server_round)
+        if own is None:
+            raise SecAggRefusal(f"cluster {self.me} has no mask key for round {server_round}; the server must ask "
+                                "for one (next-key)")
+        out = {self.me: (server_round, own["pk"])}
+        members = e["setup"]["members"]
+        for other in sorted(set(e["neighbours"]) & round_set):
+            entry = named.get(other)
+            if not (isinstance(entry, list) and entry and entry[0] == server_round):
+                said = entry[0] if isinstance(entry, list) and entry else None
+                raise SecAggRefusal(f"the server names cluster {other}'s mask key of round {said!r} for round "
+                                    f"{server_round}: a mask key masks only the round it was made for")
+            if server_round == e["first_round"] or not self.rotate_keys:
+                pk = e["setup"]["s_pks"][members.index(other)]
+            else:
+                pk = entry[1] if len(entry) == 3 and isinstance(entry[1], str) else ""
+                sig = entry[2] if len(entry) == 3 else None
+                if not verify(e["ids"][other], sig, "mask-key", federation, epoch, e["setup_digest"], other,
+                              server_round, pk):
+                    raise SecAggRefusal(f"the mask key of cluster {other} for round {server_round} is not signed by "
+                                        "its identity key for that round: forged, altered or made for another round")
+                try:
+                    shares.check_public(pk.encode())
+                except ShareError as err:
+                    raise SecAggRefusal(f"the mask key of cluster {other} for round {server_round} is invalid: "
+                                        f"{err}") from None
+            out[other] = (server_round, pk)
+        return out
+
+    def _own_key(self, e: dict[str, Any], server_round: int) -> dict[str, Any] | None:
+        """This cluster's mask key of `server_round` (the control campaign's stage: the setup's key, every round)."""
+        return e["mask_keys"].get(str(server_round if self.rotate_keys else e["first_round"]))
 
     def _deliver(self, e: dict[str, Any], *, epoch: str, config: dict[str, Any]) -> None:
+        """Keep the shares of neighbours' mask keys sealed to this cluster ("owner/number" each)."""
         senders, tokens = config.get("secagg-key-from") or [], config.get("secagg-key-tokens") or []
         if not isinstance(senders, list) or not isinstance(tokens, list) or len(senders) != len(tokens):
             raise SecAggRefusal("the delivered key shares and their senders do not line up")
-        for sender, token in zip(senders, tokens):
-            if sender not in e["neighbours"] or sender in e["key_shares"]:
+        for name, token in zip(senders, tokens):
+            sender, _, seq = str(name).partition("/")
+            if sender not in e["neighbours"] or not seq.isdigit() or name in e["key_shares"]:
                 continue
             try:
                 piece = shares.unseal(self._seal_key(e, sender, e["setup"]), str(token).encode(),
-                                      expect={"kind": "key", "from": sender, "to": self.me, "epoch": epoch})
+                                      expect={"kind": "key", "from": sender, "to": self.me, "epoch": epoch,
+                                              "seq": int(seq)})
             except ShareError as err:
-                raise SecAggRefusal(f"the key share of cluster {sender} does not open: {err}") from None
-            e["key_shares"][sender] = b64(piece)
+                raise SecAggRefusal(f"the share of mask key {name} does not open: {err}") from None
+            e["key_shares"][key_id(sender, int(seq))] = b64(piece)
+        held = sorted(e["key_shares"], key=lambda k: int(k.rpartition("/")[2]))
+        for old in held[:-KEPT_KEY_SHARES]:  # a key masks one round: shares of long-used keys are worthless
+            del e["key_shares"][old]
 
     def holds_keys(self, federation: str, epoch: str) -> bool:
-        """Whether this cluster holds a key share from every neighbour (the server stops sending them)."""
+        """Whether this cluster holds a share of some mask key of every neighbour (for the round's metrics)."""
         with self.lock:
             e = self._state(federation)["epochs"].get(epoch, {})
-            return "neighbours" in e and set(e["neighbours"]) <= set(e.get("key_shares", {}))
+            owners = {k.partition("/")[0] for k in e.get("key_shares", {})}
+            return "neighbours" in e and set(e["neighbours"]) <= owners
+
+    def _key_for(self, e: dict[str, Any], *, federation: str, epoch: str, server_round: int) -> dict[str, Any]:
+        """The mask key of `server_round`, made once (fresh pair, public half signed with the round, private half
+        shared among this cluster's holders and sealed to each) and then always the same: a cluster has one key
+        per round, so no two keys of one round can be shown to different holders. Its publication rides on an
+        upload, or on a next-key reply."""
+        if str(server_round) not in e["mask_keys"]:
+            pair = KeyPair.generate()
+            pk = pair.public.decode()
+            nbrs = e["neighbours"]
+            pieces = shares.split(pair.private_pem, threshold=int(e["threshold"]), holders=len(nbrs) + 1)
+            tokens: dict[str, str] = {}
+            own = ""
+            for holder, piece in zip((self.me, *nbrs), pieces):
+                if holder == self.me:
+                    own = b64(piece)
+                    continue
+                header = {"kind": "key", "from": self.me, "to": holder, "epoch": epoch, "seq": server_round}
+                tokens[holder] = shares.seal(self._seal_key(e, holder, e["setup"]), header=header,
+                                             share=piece).decode()
+            e["mask_keys"][str(server_round)] = {
+                "sk": pair.private_pem.decode(), "pk": pk, "round": None, "own_share": own, "tokens": tokens,
+                "sig": self.identity.sign("mask-key", federation, epoch, e["setup_digest"], self.me, server_round, pk)}
+            for old in sorted(e["mask_keys"], key=int)[:-KEPT_KEYS]:
+                del e["mask_keys"][old]
+        entry = e["mask_keys"][str(server_round)]
+        return {"seq": server_round, "pk": entry["pk"], "sig": entry["sig"], "to": list(entry["tokens"]),
+                "tokens": list(entry["tokens"].values())}
 
     def mask(self, plan: RoundPlan, *, values: np.ndarray, weight: int) -> np.ndarray:
-        """The upload of this round: (w·x, w) encoded, masked, packed, with its self-mask seed shared out, its
-        commitments and its signed receipt."""
+        """The upload of this round: (w·x, w) encoded, masked with this cluster's unused mask key and its
+        neighbours' keys of the round, packed, with its self-mask seed shared out, the next mask key
+        (rule 0 of reveal.py), its commitments and its signed receipt."""
         rng = np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
         try:
             encoded = field.encode(values, weight=weight, code=plan.code, rng=rng)
@@ -401,15 +519,20 @@ class SecAggStage:
         with self.lock:
             e = self._set_up(plan.federation, plan.epoch)
             rounds = self._state(plan.federation)["rounds"]
-            done = rounds.get(str(plan.server_round))
-            if done is not None and done["epoch"] == plan.epoch:
+            rid = _round_id(plan.epoch, plan.server_round)
+            if rid in rounds:
                 raise SecAggRefusal(f"round {plan.server_round} was masked already in epoch {plan.epoch}")
+            seq, _ = plan.keys[self.me]
+            own_key = self._own_key(e, plan.server_round)
+            if own_key is None or (own_key["round"] is not None and self.rotate_keys):
+                raise SecAggRefusal(f"the mask key of round {plan.server_round} masked it already")
             in_round = [n for n in e["neighbours"] if n in plan.round_set]
             seed = os.urandom(32)  # this round's self mask: fresh, never reused
             pair: dict[int, list[bytes]] = {1: [], -1: []}
             pair_commits: dict[str, str] = {}
             for other in in_round:
-                key = self._round_key(e, other, plan.server_round, epoch=plan.epoch)
+                key = self._pair_key(own_key["sk"], other, plan.keys[other], mine=seq, epoch=plan.epoch,
+                                     server_round=plan.server_round)
                 pair[pair_sign(self.me, other)].append(key)
                 pair_commits[other] = commitment(key)
             holders = [self.me, *in_round]
@@ -420,27 +543,46 @@ class SecAggStage:
                     own = b64(piece)
                     continue
                 header = {"kind": "self", "from": self.me, "to": holder, "epoch": plan.epoch,
-                          "round": plan.server_round}
+                          "round": plan.server_round, "key": seq}
                 tokens[holder] = shares.seal(self._seal_key(e, holder, e["setup"]), header=header,
                                              share=piece).decode()
             masked = field.pack(mask_input(encoded, code=plan.code, self_seed=seed, pair_keys=pair), bits=plan.code.bits)
-            head: dict[str, Any] = {"tokens": tokens, "commit": {"self": commitment(seed), "pairs": pair_commits}}
+            own_key["round"] = plan.server_round
+            used = {m: k for m, (k, _) in plan.keys.items()}
+            head: dict[str, Any] = {"tokens": tokens, "commit": {"self": commitment(seed), "pairs": pair_commits},
+                                    "keys": used}
+            if self.rotate_keys:  # the next round's key rides on this upload: no trip of its own
+                head["next-key"] = self._key_for(e, federation=plan.federation, epoch=plan.epoch,
+                                                 server_round=plan.server_round + 1)
             head["receipt"] = self.identity.sign("upload", *evidence.upload_fields(
                 federation=plan.federation, epoch=plan.epoch, setup=e["setup_digest"], server_round=plan.server_round,
-                round_set=plan.round_set, member=self.me, digest=digest(head, masked)))
-            rounds[str(plan.server_round)] = {"epoch": plan.epoch, "round_set": list(plan.round_set), "own_share": own}
+                round_set=plan.round_set, member=self.me, keys=used, digest=digest(head, masked)))
+            rounds[rid] = {"epoch": plan.epoch, "round": plan.server_round, "round_set": list(plan.round_set),
+                           "own_share": own, "keys": used, "pks": {m: pk for m, (_, pk) in plan.keys.items()},
+                           "created": max((r.get("created", 0) for r in rounds.values()), default=0) + 1}
             self._save(plan.federation)
         return pack_upload(masked=masked, head=head)
 
-    def _round_key(self, e: dict[str, Any], other: str, server_round: int, *, epoch: str) -> bytes:
-        members = e["setup"]["members"]
-        secret = shares.pair_secret(e["s_sk"].encode(), e["setup"]["s_pks"][members.index(other)].encode())
-        return round_key(secret, epoch=epoch, server_round=server_round)
+    def _pair_key(self, own_sk: str, other: str, theirs: tuple[int, str] | list[Any], *, mine: int, epoch: str,
+                  server_round: int) -> bytes:
+        """The round key of this cluster's mask with `other` in `server_round` (both mask keys of the round)."""
+        secret = shares.pair_secret(own_sk.encode(), str(theirs[1]).encode())
+        return round_key(secret, epoch=epoch, server_round=server_round,
+                         seqs=pair_order(self.me, other, mine, int(theirs[0])))
+
+    def _next_key(self, federation: str, epoch: str, request: dict[str, Any]) -> dict[str, Any]:
+        """This cluster's mask key of `round`, for a server that lacks it (the upload that carried it never came,
+        or this cluster was not in the round before): made now if it does not exist, else the same again."""
+        e = self._set_up(federation, epoch)
+        rnd = _round_number(request.get("round"))
+        out = self._key_for(e, federation=federation, epoch=epoch, server_round=rnd)
+        self._save(federation)
+        return out
 
     # -- agreeing on a view, and unmasking -------------------------------------------------------------
     def _round(self, federation: str, epoch: str, rnd: int) -> dict[str, Any]:
-        entry = self._state(federation)["rounds"].get(str(rnd))
-        if entry is None or entry["epoch"] != epoch:
+        entry = self._state(federation)["rounds"].get(_round_id(epoch, rnd))
+        if entry is None:
             raise SecAggRefusal(f"cluster {self.me} did not upload round {rnd} in epoch {epoch}")
         return entry
 
@@ -468,7 +610,8 @@ class SecAggStage:
         e["log"] = log.state_dict()
         self._save(federation)
         sig = self.identity.sign("view", *evidence.view_fields(
-            federation=federation, epoch=epoch, setup=e["setup_digest"], server_round=rnd, round_set=entry["round_set"], survivors=survivors))
+            federation=federation, epoch=epoch, setup=e["setup_digest"], server_round=rnd, round_set=entry["round_set"],
+            survivors=survivors))
         return {"signature": sig}
 
     def _unmask(self, federation: str, epoch: str, request: dict[str, Any]) -> dict[str, Any]:
@@ -484,7 +627,8 @@ class SecAggStage:
         survivors, dropped = self._checked_view(e, entry, log, request, rnd)
         self._check_evidence(e, entry, request, federation=federation, epoch=epoch, rnd=rnd,
                              survivors=survivors, dropped=dropped)
-        why = refuse_unmask(log, server_round=rnd, survivors=survivors)
+        survivor_keys = {c: key_id(c, entry["keys"][c]) for c in survivors if c in entry["keys"]}
+        why = refuse_unmask(log, server_round=rnd, survivor_keys=survivor_keys)
         if why:
             raise SecAggRefusal(why)
         senders, tokens = request.get("from") or [], request.get("tokens") or []
@@ -496,7 +640,8 @@ class SecAggStage:
             if sender not in sealed:
                 unreadable.append(sender)
                 continue
-            header = {"kind": "self", "from": sender, "to": self.me, "epoch": epoch, "round": rnd}
+            header = {"kind": "self", "from": sender, "to": self.me, "epoch": epoch, "round": rnd,
+                      "key": entry["keys"][sender]}
             try:
                 piece = shares.unseal(self._seal_key(e, sender, e["setup"]), str(sealed[sender]).encode(),
                                       expect=header)
@@ -506,10 +651,17 @@ class SecAggStage:
             out_from.append(sender)
             out_shares.append(b64(piece))
         pair_with = sorted(dropped & set(e["neighbours"]))
-        pair_keys = [b64(self._round_key(e, other, rnd, epoch=epoch)) for other in pair_with]
+        own_key = self._own_key(e, rnd)
+        if own_key is None:
+            raise SecAggRefusal(f"the mask key of round {rnd} is no longer kept; its pair keys cannot be given")
+        own_sk = own_key["sk"]
+        pair_keys = [b64(self._pair_key(own_sk, other, (entry["keys"][other], entry["pks"][other]),
+                                        mine=entry["keys"][self.me], epoch=epoch, server_round=rnd))
+                     for other in pair_with]
         log.views[rnd] = [sorted(survivors), sorted(dropped)]
         log.certified.add(rnd)
         log.self_shares.setdefault(rnd, set()).update(out_from)
+        log.self_keys.update(key_id(c, entry["keys"][c]) for c in out_from)
         log.pair_keys.setdefault(rnd, set()).update(pair_with)
         e["log"] = log.state_dict()
         reply = {"self-from": out_from, "self-shares": out_shares, "pair-with": pair_with, "pair-keys": pair_keys,
@@ -520,15 +672,21 @@ class SecAggStage:
 
     def _check_evidence(self, e: dict[str, Any], entry: dict[str, Any], request: dict[str, Any], *, federation: str,
                         epoch: str, rnd: int, survivors: set[str], dropped: set[str]) -> None:
-        """Rule 3 of reveal.py: every member's receipt (no dropouts), or a view certified around this cluster."""
+        """Rule 3 of reveal.py: every member's receipt (no dropouts), or a view certified around this cluster
+        and its surviving neighbours' receipts; every surviving neighbour masked with the keys this cluster did."""
         round_set, ids = entry["round_set"], e["ids"]
+        needed = round_set if not dropped else sorted(survivors & set(entry["keys"]))
+        receipts = evidence.valid_receipts(evidence.json_map(request.get("receipts")), ids=ids, federation=federation,
+                                           epoch=epoch, setup=e["setup_digest"], server_round=rnd,
+                                           round_set=round_set, members=needed)
+        missing = sorted(set(needed) - set(receipts))
+        if missing:
+            raise SecAggRefusal(f"no valid upload receipt of cluster(s) {missing} for round {rnd}: the server "
+                                + ("claims nobody dropped without the proof" if not dropped else
+                                   "claims they survived without the proof"))
+        if why := refuse_keys(entry["keys"], me=self.me, receipts=receipts, survivors=survivors):
+            raise SecAggRefusal(f"round {rnd}: {why}")
         if not dropped:
-            missing = evidence.missing_receipts(evidence.json_map(request.get("receipts")), ids=ids,
-                                                federation=federation, epoch=epoch, setup=e["setup_digest"],
-                                                server_round=rnd, round_set=round_set)
-            if missing:
-                raise SecAggRefusal(f"no valid upload receipt of cluster(s) {missing} for round {rnd}: the server "
-                                    "claims nobody dropped without the proof")
             return
         signers = evidence.view_signers(evidence.json_map(request.get("signatures")), ids=ids, federation=federation,
                                         epoch=epoch, setup=e["setup_digest"], server_round=rnd, round_set=round_set,
@@ -539,16 +697,27 @@ class SecAggStage:
             raise SecAggRefusal(f"round {rnd}'s survivor set is not certified: {why}")
 
     def _recover(self, federation: str, epoch: str, request: dict[str, Any]) -> dict[str, Any]:
+        """Shares of the mask keys that dropped clusters were to mask `round` with, as this cluster masked it."""
         e = self._set_up(federation, epoch)
         rnd = _round_number(request.get("round"))
         wanted = _members(request.get("clusters"), "clusters")
+        entry = self._round(federation, epoch, rnd)
+        named = {c: key_id(c, entry["keys"][c]) for c in wanted if c in entry["keys"]}
+        if set(named) != wanted:
+            raise SecAggRefusal(f"cluster(s) {sorted(wanted - set(named))} were not this cluster's neighbours in "
+                                f"round {rnd}")
         log = RevealLog.from_state_dict(e["log"])
-        why = refuse_recover(log, server_round=rnd, clusters=wanted)
+        why = refuse_recover(log, server_round=rnd, wanted=named)
         if why:
             raise SecAggRefusal(why)
-        held = {c: e["key_shares"][c] for c in sorted(wanted) if c in e.get("key_shares", {})}
-        log.key_shares.update(held)
+        held = {c: e["key_shares"][k] for c, k in sorted(named.items()) if k in e["key_shares"]}
+        log.key_shares.update(named[c] for c in held)
         e["log"] = log.state_dict()
         self._save(federation)
-        return {"key-from": list(held), "key-shares": list(held.values())}
+        return {"key-from": list(held), "key-shares": list(held.values()),
+                "key-ids": [named[c] for c in held]}
 
+
+def _round_id(epoch: str, server_round: int) -> str:
+    """A round's record, by epoch and round: another epoch's round of the same number is another round."""
+    return f"{epoch}/{int(server_round)}"

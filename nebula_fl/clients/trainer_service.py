@@ -11,7 +11,8 @@ client holds nothing); `hello` is answered at once, even mid-round; `train` requ
 ranks. Before a round reaches them, rank 0 answers a round already released from the reply cache,
 refuses to train the past again, and asks the privacy gate (the operator's policy and the
 cluster's own ledger) whether, and with which mechanism, the round may run. After training it
-records the release in the ledger and caches the reply before sending it.
+records the release in the ledger and caches the reply before sending it. Every frame it sends, replies and
+refusals alike, passes ``outgoing.released`` (what may leave the cluster, under secure aggregation or not).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from multiprocessing import AuthenticationError
 from pathlib import Path
 from typing import Any
 
+# (IN_THE_CLEAR, IN_THE_CLEAR_CLIENT_DP and in_the_clear are importable from here too, as before outgoing.py)
+from nebula_fl.clients.outgoing import IN_THE_CLEAR, IN_THE_CLEAR_CLIENT_DP, PLAIN, in_the_clear, released  # noqa: F401
 from nebula_fl.clients.protocol import TrainerListener, pack, socket_in_use, unpack
 from nebula_fl.clients.reply_cache import FEDERATION_ID, ReplyCache
 from nebula_fl.clients.secagg_stage import SecAggRefusal, SecAggStage
@@ -49,41 +52,6 @@ SHARD_FILE = "shard.json"  # the shard's size and labels: for the operator, neve
 LOCK_WAIT_S = 30.0  # how long a trainer waits for the one before it on its state folder to stop
 # Metrics computed from the private data and not covered by the DP guarantee: never sent under DP.
 DATA_DEPENDENT = ("train-loss", "update-norm-before-clip", "clipped", "rank-divergence", "prox-term")
-# Under secure aggregation a reply says in the clear only this, each harmless to say: the server learns the sum of
-# the updates and weights, and nothing computed from one cluster's data or size.
-IN_THE_CLEAR = {
-    "cluster-id": "who answers: the server addressed this cluster",
-    "privacy-refused": "that the cluster refused the round",
-    "privacy-refusal": "the kind of refusal: 'policy' or 'budget'",
-    "privacy-reason": "a refusal's reason: the operator's requirement, or a fixed sentence (the figures stay in the log)",
-    "secagg-keys-held": "protocol state: whether the key shares arrived",
-    "steps": "the local steps the server asked for",
-    "workers": "the cluster's hardware, not its data",
-    "device": "the cluster's hardware, not its data",
-    "precision": "the cluster's hardware choice (bf16 autocast or fp32), not its data",
-    "parallel": "the cluster's hardware, not its data",
-    "codec-up": "the codec the server asked for",
-    "prox-mu": "the proximal weight the server asked for",
-    "update-bytes": "fixed by the codec and the adapter's size",
-    "privacy-mode": "the operator's policy mode",
-    "noise-multiplier": "σ: the request's, or the operator's floor",
-    "max-grad-norm": "the clipping norm: the request's, or the operator's",
-    "max-epsilon": "the operator's budget",
-    "accountant": "the operator's choice",
-}
-# Client-level DP accounts each release at q = 1 and δ = 1e-5 (or the operator's): ε depends on σ and the number of
-# rounds only. Per-example DP's ε, q and default δ depend on the shard size: they stay in the cluster's own report.
-IN_THE_CLEAR_CLIENT_DP = ("epsilon", "epsilon-federation", "delta", "dp-steps", "sample-rate")
-
-
-def in_the_clear(metrics: dict[str, Any], *, mode: str) -> dict[str, Any]:
-    """What a securely aggregated round's reply may say: no example count, no loss, no timing of its own (a
-    server sees when a reply arrives, not how long the training in it took; under per-example DP with the
-    default logical batch of n/8 that time grows with n)."""
-    allowed = set(IN_THE_CLEAR) | (set(IN_THE_CLEAR_CLIENT_DP) if mode == "client" else set())
-    return {k: v for k, v in metrics.items() if k in allowed}
-
-
 @dataclass(kw_only=True)
 class TrainerOptions:
     cluster_id: int
@@ -258,14 +226,15 @@ class Boundary:
         if op == "train":
             self.jobs.put((conn, {**header, "arrays": arrays}))  # answered by the ranks' thread, in order
             return
+        if op == "hello":
+            frame = pack({"ok": True, **self.describe()})
+        elif op == "secagg":
+            frame = self._secagg(header.get("request"))
+        else:
+            frame = self._error(f"unknown op {op!r}", plain=True)
         with conn:
-            try:
-                if op == "hello":
-                    conn.send_bytes(pack({"ok": True, **self.describe()}))
-                elif op == "secagg":
-                    conn.send_bytes(self._secagg(header.get("request")))
-                else:
-                    conn.send_bytes(pack({"ok": False, "error": f"unknown op {op!r}"}))
+            try:  # neither says anything of the data: held to secure aggregation's rule whatever the round
+                conn.send_bytes(released(frame, secure=True))
             except OSError:
                 pass
 
@@ -278,23 +247,32 @@ class Boundary:
     def _secagg(self, request: Any) -> bytes:
         """A secure-aggregation setup or unmasking request (answered on the connection's thread)."""
         if not isinstance(request, dict):
-            return self._error("the secure-aggregation request is not an object")
+            return self._error("the secure-aggregation request is not an object", plain=True)
         try:
             reply = self.secagg.handle(request)
         except (SecAggRefusal, ValueError, KeyError, TypeError) as err:
-            return self._error(f"secure aggregation ({request.get('stage')}): {err}")
+            return self._error(f"secure aggregation ({request.get('stage')}): {err}", plain=True)
         if request.get("stage") in ("unmask", "recover"):
             _log(self.opts, f"round {request.get('round')}: {request.get('stage')} answered "
                             f"({len(reply.get('self-from', reply.get('key-from', [])))} share(s))")
         return pack({"ok": True, "reply": reply})
 
     # -- rounds (the ranks' thread) --------------------------------------------------------------
-    def _error(self, text: str) -> bytes:
+    def _error(self, text: str, *, plain: bool) -> bytes:
+        """An error frame; `plain`: the text is about the request alone and is said as it is. Otherwise (training,
+        the ledger, masking: the cluster's own data and state) secure aggregation sends a fixed sentence instead,
+        and the text is in the log."""
         _log(self.opts, f"refused round: {text}", error=True)
-        return pack({"ok": False, "error": text})
+        return pack({"ok": False, "error": text, **({PLAIN: True} if plain else {})})
+
+    def _secure(self, config: Any) -> bool:
+        """Whether what leaves about a round follows secure aggregation's rule: the round is masked, or the
+        operator's policy demands masking (then every round does, masked or not)."""
+        return self.opts.policy.require_secure_aggregation or (isinstance(config, dict) and "secagg-epoch" in config)
 
     def _train(self, header: dict[str, Any]) -> bytes:
-        """A round's path through the cluster, one named step each; a step that ends it raises `Answer`."""
+        """A round's path through the cluster, one named step each; a step that ends it raises `Answer`. Whatever
+        the frame, it leaves through `released`."""
         try:
             rnd = self._read(header)
             self._replayed(rnd)
@@ -303,20 +281,22 @@ class Boundary:
             self._train_on_ranks(rnd)
             self._charge(rnd)
             self._mask(rnd)
-            return self._reply(rnd)
+            frame = self._reply(rnd)
         except Answer as answer:
-            return answer.frame
+            frame = answer.frame
+        return released(frame, secure=self._secure(header.get("config")))
 
     def _read(self, header: dict[str, Any]) -> Round:
         """read: a config object, a federation id that can name a folder, a round number."""
         config, arrays = header.get("config"), header.get("arrays", {})
         if not isinstance(config, dict):
-            raise Answer(self._error("the request has no config object"))
+            raise Answer(self._error("the request has no config object", plain=True))
         fed, number = config.get("federation-id"), config.get("server-round")
         if not isinstance(fed, str) or not FEDERATION_ID.fullmatch(fed):
-            raise Answer(self._error(f"federation id {fed!r} is not a plain name of letters, digits, '-' and '_'"))
+            raise Answer(self._error(f"federation id {fed!r} is not a plain name of letters, digits, '-' and '_'",
+                                     plain=True))
         if isinstance(number, bool) or not isinstance(number, int) or number < 1:
-            raise Answer(self._error(f"server-round {number!r} is not a round number (an integer >= 1)"))
+            raise Answer(self._error(f"server-round {number!r} is not a round number (an integer >= 1)", plain=True))
         return Round(config=config, arrays=arrays, federation=fed, number=number)
 
     def _replayed(self, rnd: Round) -> None:
@@ -329,12 +309,12 @@ class Boundary:
             raise Answer(cached)
         if cached is not None:
             raise Answer(self._error(f"round {rnd.number} of federation {rnd.federation} was released already and its "
-                                     "reply is no longer kept; a round is never released twice"))
-        released = self.cache.released(rnd.federation)
-        if released and released[-1] > rnd.number:
+                                     "reply is no longer kept; a round is never released twice", plain=True))
+        done = self.cache.released(rnd.federation)
+        if done and done[-1] > rnd.number:
             raise Answer(self._error(f"round {rnd.number} of federation {rnd.federation} is older than round "
-                                     f"{released[-1]}, which this cluster already released; it never trains the past "
-                                     "again"))
+                                     f"{done[-1]}, which this cluster already released; it never trains the past "
+                                     "again", plain=True))
 
     def _admit(self, rnd: Round) -> None:
         """admit: the operator's masking demand, the secure-aggregation checks, then the privacy gate (policy and
@@ -347,33 +327,23 @@ class Boundary:
                 # how many steps fit a time budget is a timing of this cluster's own, and under per-example DP (a
                 # logical batch of n/8) it grows with n: a masked round never says it
                 raise Answer(self._error("local-steps = \"auto\" under secure aggregation: a cluster's step count "
-                                         "could tell its data size; use a fixed local-steps"))
+                                         "could tell its data size; use a fixed local-steps", plain=True))
             try:
                 rnd.plan = self.secagg.prepare(config)
             except (SecAggRefusal, ValueError, KeyError, TypeError) as err:
-                raise Answer(self._error(f"secure aggregation: {err}")) from None
+                raise Answer(self._error(f"secure aggregation: {err}", plain=True)) from None
         rnd.admission = self.gate.admit(config, world=self.opts.workers,
                                         secure_threshold=None if rnd.plan is None else rnd.plan.threshold)
         if not rnd.admission.allowed:
             self._decline(rnd, rnd.admission, rnd.admission.refusal)
 
-    def _masked_round(self, rnd: Round) -> bool:
-        """Whether what leaves about this round follows secure aggregation's rule (IN_THE_CLEAR): the round is
-        masked, or the operator's policy demands masking."""
-        return "secagg-epoch" in rnd.config or self.opts.policy.require_secure_aggregation
-
     def _decline(self, rnd: Round, admission, why: str, *, data_free: bool = False) -> None:
-        """A refused round's reply. Under secure aggregation it follows the round replies' rule, and the gate's
-        reason (its δ, σ floor and ε figures come from the cluster's size) stays in the log; `data_free`: the
+        """A refused round's reply. Under secure aggregation (`released`) it follows the round replies' rule and the
+        gate's reason (its δ, σ floor and ε figures come from the cluster's size) stays in the log; `data_free`: the
         reason names only the operator's requirement, said as it is."""
         _log(self.opts, f"round {rnd.number} declined ({why}): {admission.reason}")
         metrics = self.gate.refusal(admission, federation=rnd.federation, cluster_id=self.opts.cluster_id)
-        if self._masked_round(rnd):
-            if not data_free:
-                metrics["privacy-reason"] = (f"refused by this cluster's privacy {why}; the reason is in its log (under "
-                                             "secure aggregation its figures could tell the cluster's size)")
-            metrics = in_the_clear(metrics, mode=metrics.get("privacy-mode", self.opts.policy.mode))
-        raise Answer(pack({"ok": True, "metrics": metrics, **rnd.riding}))
+        raise Answer(pack({"ok": True, "metrics": metrics, **rnd.riding, **({PLAIN: True} if data_free else {})}))
 
     def _train_on_ranks(self, rnd: Round) -> None:
         """train: every rank, from the global (or, overlapped, its own rebased weights and what it trained ahead)."""
@@ -385,12 +355,8 @@ class Boundary:
                                    group=self.trainer.ctx.control)
         try:
             rnd.update, rnd.metrics = self.trainer.train_round(rnd.config, rnd.arrays, rnd.admission)
-        except (RequestError, NebulaError) as err:
-            if self._masked_round(rnd):  # e.g. "N examples for W workers": the server gets the fact, not the text
-                _log(self.opts, f"round {rnd.number} not trained: {err}", error=True)
-                raise Answer(self._error("the cluster could not train the round; the reason is in its log (under "
-                                         "secure aggregation it could tell the cluster's data)")) from None
-            raise Answer(self._error(str(err))) from None
+        except (RequestError, NebulaError) as err:  # e.g. "N examples for W workers": masked, only the fact leaves
+            raise Answer(self._error(str(err), plain=False)) from None
         m = rnd.metrics
         cycle = m.get("since-send-seconds")
         busy = f", busy {m['busy-seconds'] / cycle:.0%} of {cycle:.1f} s since the last send" if cycle else ""
@@ -405,7 +371,7 @@ class Boundary:
         try:
             self.gate.charge(federation=rnd.federation, server_round=rnd.number, admission=rnd.admission)
         except NebulaError as err:  # a ledger that cannot be written: nothing leaves
-            raise Answer(self._error(str(err))) from None
+            raise Answer(self._error(str(err), plain=False)) from None
 
     def _mask(self, rnd: Round) -> None:
         """mask: a securely aggregated round's update leaves only masked, its reply says only what is harmless."""
@@ -413,20 +379,20 @@ class Boundary:
             return
         try:
             rnd.update = {"blob": self._masked(rnd.plan, rnd.config, rnd.update, rnd.admission)}
-        except (SecAggRefusal, NebulaError, ValueError) as err:
-            raise Answer(self._error(str(err))) from None
+        except (SecAggRefusal, NebulaError, ValueError) as err:  # e.g. an update holding NaN: about the data
+            raise Answer(self._error(str(err), plain=False)) from None
         rnd.metrics["secagg-keys-held"] = int(self.secagg.holds_keys(rnd.federation, rnd.plan.epoch))
 
     def _reply(self, rnd: Round) -> bytes:
-        """cache and reply: under DP the figures computed from the data stay here; the frame is cached before it
-        is sent, so a repeated request gets these very bytes."""
+        """cache and reply: under DP the figures computed from the data stay here, under secure aggregation all
+        but what `released` lets out; the frame is cached as it is sent, so a repeated request gets these very
+        bytes."""
         metrics = rnd.metrics
         if rnd.admission.mode != "off":  # only the noised update is protected
             metrics = {k: v for k, v in metrics.items() if k not in DATA_DEPENDENT}
         metrics.update(self.gate.metrics(rnd.admission, federation=rnd.federation))
-        if rnd.plan is not None:
-            metrics = in_the_clear(metrics, mode=rnd.admission.mode)
-        frame = pack({"ok": True, "metrics": metrics, **rnd.riding}, rnd.update)
+        frame = released(pack({"ok": True, "metrics": metrics, **rnd.riding}, rnd.update),
+                         secure=self._secure(rnd.config))
         self.cache.put(rnd.federation, rnd.number, frame)  # a replay gets these bytes: the same unmask answer too
         return frame
 

@@ -173,6 +173,7 @@ class Federation:
             shutil.rmtree(socket_dir, ignore_errors=True)
         earlier = self.folder.read_summary().get("restarts") or []  # those of earlier launches of this run
         self.folder.update_summary(restarts=[*earlier, *self.restarts])
+        self._note_membership()
         summary = self.folder.read_summary()
         if summary.get("status") != "completed":
             if outcome == "failed" and error:  # the launcher saw the cause (a process died, a start failed)
@@ -189,6 +190,20 @@ class Federation:
         if summary.get("error") and not error:
             self.console.print(f"[red]error:[/red] {summary['error']}")
         return 130 if summary.get("status") == "interrupted" else 1
+
+    def _note_membership(self) -> None:
+        """summary.json's privacy.clusters names each cluster whose operator took the server's word for the
+        secure-aggregation members (its --cluster-policy opts out of this launcher's roster): a weaker guarantee
+        than the roster every other cluster checks, said where the run's privacy is read."""
+        trusting = sorted(str(i) for i, fields in (self.plan.cluster_policies or {}).items()
+                          if fields.get("secagg_trust_server_membership"))
+        if not trusting:
+            return
+        privacy = dict(self.folder.read_summary().get("privacy") or {})
+        clusters = dict(privacy.get("clusters") or {})
+        for cid in trusting:
+            clusters[cid] = {**clusters.get(cid, {}), "membership": "the server's word"}
+        self.folder.update_summary(privacy={**privacy, "clusters": clusters})
 
     def _rewind(self) -> None:
         kept, moved = self.folder.rewind_checkpoints()
@@ -296,7 +311,7 @@ class Federation:
         fields = policy_for_run(cfg.privacy, rounds=cfg.federation.num_server_rounds,
                                 local_steps=cfg.train.steps_cap).to_dict()
         fields.update((self.plan.cluster_policies or {}).get(cluster, {}))
-        if roster is not None:
+        if roster is not None and not fields.get("secagg_trust_server_membership"):  # unless its operator opts out
             fields.setdefault("secagg_peers", str(roster))
         PrivacyPolicy.from_dict(fields, where=f"cluster {cluster}'s privacy policy").save(path)
         return path

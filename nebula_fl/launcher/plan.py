@@ -289,8 +289,10 @@ def _cluster_policies(given: list[str] | None, clusters: int) -> dict[int, dict[
             raise NebulaError(f"--cluster-policy: '{path}' is not valid JSON ({err}); fix the file") from None
         if isinstance(fields, dict) and isinstance(fields.get("secagg_peers"), str):  # beside the policy file
             fields["secagg_peers"] = str(Path(path).expanduser().resolve().parent / fields["secagg_peers"])
-        # one clear line for a bad field; the roster is this launcher's unless the file names one
-        checked = {"secagg_peers": "launcher-roster", **fields} if isinstance(fields, dict) else fields
+        # one clear line for a bad field; the roster is this launcher's unless the file names one, or takes the
+        # server's word for the members instead (secagg_trust_server_membership)
+        roster = isinstance(fields, dict) and not fields.get("secagg_trust_server_membership")
+        checked = {"secagg_peers": "launcher-roster", **fields} if roster else fields
         PrivacyPolicy.from_dict(checked, where=f"--cluster-policy '{path}'")
         out[int(index)] = fields
     return out

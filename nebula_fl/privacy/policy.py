@@ -100,6 +100,10 @@ class PrivacyPolicy:
     secagg_peers: str | None = None
     """Path of the federation's roster: the other clusters' secure-aggregation identity public keys, exchanged
     by the operators out of band (the server could otherwise count clusters of its own)."""
+    secagg_trust_server_membership: bool = False
+    """Without a roster, take the server's word for who a secure-aggregation epoch's members are: an explicit
+    opt-out, since a server that invents the other members reads this cluster's update from its upload alone.
+    Without it (the default), a cluster with no `secagg_peers` refuses every masked round and key setup."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -133,6 +137,12 @@ class PrivacyPolicy:
         if self.secagg_peers is not None and (not isinstance(self.secagg_peers, str) or not self.secagg_peers.strip()):
             raise ConfigError(f"privacy policy 'secagg_peers' is {self.secagg_peers!r}; use the path of the "
                               "federation's roster of secure-aggregation identity keys")
+        if not isinstance(self.secagg_trust_server_membership, bool):
+            raise ConfigError("privacy policy 'secagg_trust_server_membership' is "
+                              f"{self.secagg_trust_server_membership!r}; use true or false")
+        if self.secagg_trust_server_membership and self.secagg_peers is not None:
+            raise ConfigError("privacy policy sets both 'secagg_peers' and 'secagg_trust_server_membership'; the "
+                              "roster says who the members are, so drop secagg_trust_server_membership")
         _int_in("min_secagg_threshold", self.min_secagg_threshold, low=2, high=1_000_000)
         _int_in("min_secagg_clusters", self.min_secagg_clusters, low=2, high=1_000_000)
         if not self.require_secure_aggregation:
@@ -141,6 +151,10 @@ class PrivacyPolicy:
                     raise ConfigError(f"privacy policy sets '{name}' without 'require_secure_aggregation'; set "
                                       f"require_secure_aggregation to true, or drop {name}")
             return
+        if self.secagg_trust_server_membership:
+            raise ConfigError("privacy policy requires secure aggregation but takes the server's word for its "
+                              "members ('secagg_trust_server_membership'), which could invent them; give "
+                              "'secagg_peers' (the roster) instead")
         if self.secagg_peers is None:
             raise ConfigError("privacy policy requires secure aggregation but sets no 'secagg_peers'; give the roster "
                               "of the other clusters' identity keys (without them the server could count clusters "

@@ -186,7 +186,7 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
         _fill_per_round(cluster_rows, total="steps_total", per_round="steps")
     _fill_per_round(client_rows, total="rounds_total", per_round="rounds")
     if not rows and not client_rows:
-        if privacy:
+        if privacy.get("mode"):  # the server wrote its section (the launcher may add membership notes alone)
             raise NebulaError(f"run '{path}' has no privacy records yet (no round finished); "
                               "run or resume it for at least one round")
         raise NebulaError(f"run '{path}' has no privacy records (it ran without differential privacy)")

@@ -1,9 +1,11 @@
 """The evidence a holder needs before it reveals anything: upload receipts, or a certified survivor set.
 
 Both ride on messages that are sent anyway, so a round without dropouts costs no extra trip:
-- an *upload receipt* is a cluster's signature of (federation, epoch, round, round set, digest of its
-  upload), made when it masks and carried inside the upload. A round in which every member of the round
-  set uploaded is unmasked on the receipts of all of them (the "full view").
+- an *upload receipt* is a cluster's signature of (federation, epoch, round, round set, the numbers of the
+  mask keys it masked with — its own and each neighbour's in the round —, digest of its upload), made when
+  it masks and carried inside the upload. A round in which every member of the round set uploaded is
+  unmasked on the receipts of all of them (the "full view"); every unmask request carries the survivors'
+  receipts, so a holder checks that each surviving neighbour masked with the very keys it did.
 - a *view signature* is a survivor's signature of (federation, epoch, round, round set, survivors), made
   in the one extra trip of a round with dropouts, once per round (see reveal.py: signing commits).
 
@@ -21,10 +23,11 @@ from nebula_fl.secagg.identity import verify
 
 
 def setup_record(*, members: list[str], c_pks: list[str], s_pks: list[str], id_pks: list[str], sigs: list[str],
-                 num_shares: Any, threshold: Any) -> dict[str, Any]:
-    """An epoch's setup as the share request states it: what each cluster keeps, and the server with it."""
+                 num_shares: Any, threshold: Any, first_round: Any) -> dict[str, Any]:
+    """An epoch's setup as the share request states it: what each cluster keeps, and the server with it
+    (`first_round`: the round the `s` keys mask, the only one)."""
     return {"members": members, "c_pks": c_pks, "s_pks": s_pks, "id_pks": id_pks, "sigs": sigs,
-            "num_shares": num_shares, "threshold": threshold}
+            "num_shares": num_shares, "threshold": threshold, "first_round": first_round}
 
 
 def setup_digest(setup: Mapping[str, Any]) -> str:
@@ -35,8 +38,9 @@ def setup_digest(setup: Mapping[str, Any]) -> str:
 
 
 def upload_fields(*, federation: str, epoch: str, setup: str, server_round: int, round_set: Sequence[str],
-                  member: str, digest: str) -> tuple:
-    return (federation, epoch, setup, int(server_round), sorted(round_set), member, digest)
+                  member: str, keys: Mapping[str, int], digest: str) -> tuple:
+    return (federation, epoch, setup, int(server_round), sorted(round_set), member,
+            sorted([str(m), int(k)] for m, k in keys.items()), digest)
 
 
 def view_fields(*, federation: str, epoch: str, setup: str, server_round: int, round_set: Sequence[str],
@@ -44,21 +48,24 @@ def view_fields(*, federation: str, epoch: str, setup: str, server_round: int, r
     return (federation, epoch, setup, int(server_round), sorted(round_set), sorted(survivors))
 
 
-def missing_receipts(receipts: object, *, ids: Mapping[str, str], federation: str, epoch: str, setup: str,
-                     server_round: int, round_set: Sequence[str]) -> list[str]:
-    """The members of the round set without a valid receipt (digest, signature) for this round; [] = all there."""
+def valid_receipts(receipts: object, *, ids: Mapping[str, str], federation: str, epoch: str, setup: str,
+                   server_round: int, round_set: Sequence[str], members: Sequence[str]) -> dict[str, dict[str, int]]:
+    """Member -> the mask-key numbers its receipt binds (its own and its neighbours' in the round), for each of
+    `members` whose receipt (digest, signature, keys) for this round is valid; the others are left out."""
     receipts = receipts if isinstance(receipts, Mapping) else {}
-    missing = []
-    for member in sorted(round_set):
+    out: dict[str, dict[str, int]] = {}
+    for member in sorted(members):
         entry = receipts.get(member)
-        ok = (isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) == 2
-              and isinstance(entry[0], str) and member in ids
-              and verify(ids[member], entry[1], "upload", *upload_fields(
-                  federation=federation, epoch=epoch, setup=setup, server_round=server_round, round_set=round_set,
-                  member=member, digest=entry[0])))
-        if not ok:
-            missing.append(member)
-    return missing
+        if not (isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) == 3
+                and isinstance(entry[0], str) and isinstance(entry[2], Mapping) and member in ids
+                and all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                        for k, v in entry[2].items())):
+            continue
+        if verify(ids[member], entry[1], "upload", *upload_fields(
+                federation=federation, epoch=epoch, setup=setup, server_round=server_round, round_set=round_set,
+                member=member, keys=entry[2], digest=entry[0])):
+            out[member] = dict(entry[2])
+    return out
 
 
 def view_signers(signatures: object, *, ids: Mapping[str, str], federation: str, epoch: str, setup: str,

@@ -27,7 +27,8 @@ class Upload:
     vector: np.ndarray  # the masked field vector
     tokens: dict[str, str]  # holder -> its sealed share of this cluster's self-mask seed
     commits: dict[str, Any]  # SHA-256 of the self-mask seed ("self") and of each pair key ("pairs")
-    receipt: list[str]  # [digest, signature]: the proof, forwarded to every holder, that this cluster uploaded
+    receipt: list[Any]  # [digest, signature, keys used]: the proof, forwarded to every holder, that this cluster
+    # uploaded, and with which mask keys
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +42,7 @@ class HeldRound:
     federation: str
     positions: np.ndarray | None  # random-k's coordinates, or None (all)
     uploads: dict[str, Upload]
+    keys: dict[str, list[Any]]  # member -> [number, public key] of the mask key it was to mask the round with
 
     @property
     def survivors(self) -> list[str]:
@@ -54,7 +56,7 @@ class HeldRound:
         """Arrays stay arrays (the checkpoint stores them apart); the rest is JSON."""
         return {"server_round": self.server_round, "epoch": {k: self.epoch[k] for k in EPOCH_KEYS},
                 "round_set": list(self.round_set), "code": asdict(self.code), "federation": self.federation,
-                "positions": self.positions,
+                "positions": self.positions, "keys": {c: list(k) for c, k in self.keys.items()},
                 "uploads": {c: {"vector": u.vector, "tokens": dict(u.tokens), "commits": u.commits,
                                 "receipt": list(u.receipt)} for c, u in self.uploads.items()}}
 
@@ -65,6 +67,7 @@ class HeldRound:
                    round_set=list(state["round_set"]), code=FieldCode(**state["code"]),
                    federation=str(state["federation"]),
                    positions=None if positions is None else np.asarray(positions),
+                   keys={c: list(k) for c, k in state.get("keys", {}).items()},
                    uploads={c: Upload(vector=np.asarray(u["vector"], dtype=np.uint64), tokens=dict(u["tokens"]),
                                       commits=dict(u["commits"]), receipt=list(u["receipt"]))
                             for c, u in state["uploads"].items()})

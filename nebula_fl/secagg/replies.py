@@ -102,6 +102,20 @@ def parse_keys(reply: Mapping[str, Any]) -> tuple[str, str, str, str]:
     return c_pk, s_pk, id_pk, sig  # type: ignore[return-value]
 
 
+def parse_key_publication(value: Any, *, server_round: int) -> tuple[str, str]:
+    """(public key, signature) of a cluster's mask key of `server_round`, from its upload (the next round's key)
+    or a next-key reply: bound to exactly that round, strings of sane size; the signature is checked by the
+    caller, the key's curve by every cluster that masks with it."""
+    if not isinstance(value, Mapping):
+        raise ReplyError("it carries no mask key for the next round")
+    seq, pk, sig = value.get("seq"), value.get("pk"), value.get("sig")
+    if isinstance(seq, bool) or seq != server_round:
+        raise ReplyError(f"its mask key is for round {seq!r}, not {server_round}")
+    if not (isinstance(pk, str) and 0 < len(pk) <= 4096 and isinstance(sig, str) and 0 < len(sig) <= 256):
+        raise ReplyError("its mask key needs 'pk' and 'sig' strings")
+    return pk, sig
+
+
 def parse_signature(reply: Mapping[str, Any]) -> str:
     sig = reply.get("signature")
     if not isinstance(sig, str) or len(sig) > 256:

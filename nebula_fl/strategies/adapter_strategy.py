@@ -202,7 +202,11 @@ class AdapterStrategy(NebulaStrategy):
     ) -> Iterable[Message]:
         self.records.clear()  # a round's records describe that round only
         self.round_clusters = []
-        nodes = self.sample([n for n in grid.get_node_ids() if n not in self.directory.retired])
+        live = [n for n in grid.get_node_ids() if n not in self.directory.retired]
+        open_ = [n for n in live if self.directory.get(n) not in self.directory.stopped]
+        if live and not open_:
+            return []  # every cluster stopped: the wrapper that stopped them ends the run, saying why
+        nodes = self.sample(open_)
         self.current = to_numpy(arrays)
         round_config = ConfigRecord({**dict(config), **self.checked_client_config()})
         round_config["server-round"] = server_round

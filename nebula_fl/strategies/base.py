@@ -81,6 +81,9 @@ class NodeDirectory:
     def __init__(self) -> None:
         self.clusters: dict[int, str] = {}
         self.retired: dict[int, str] = {}  # node -> its cluster, for nodes another node of that cluster replaced
+        # clusters sent no more rounds (their privacy stopped them): no wrapper samples them or asks them anything,
+        # so no stage of a wrapper inside the one that stopped them spends a trip on them
+        self.stopped: set[str] = set()
 
     def get(self, node: int) -> str | None:
         """The cluster `node` serves, or served before another node replaced it."""

@@ -72,6 +72,7 @@ class PrivacyWrapper(NebulaStrategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state["inner"])
         self.exhausted = {str(k): dict(v) for k, v in state.get("exhausted", {}).items()}
+        self.directory.stopped.update(self.exhausted)
         if self.server_ledger is not None and state.get("server_ledger"):
             self.server_ledger.load_state_dict(state["server_ledger"])
 
@@ -144,6 +145,7 @@ class PrivacyWrapper(NebulaStrategy):
             kind = info.get("privacy-refusal") or "budget"
             self.exhausted[cluster] = {"round": server_round, "reason": reason, "epsilon": info.get("epsilon"),
                                        "refusal": kind}
+            self.directory.stopped.add(cluster)
             self.notes.setdefault(cluster, {}).update(privacy_refused=True, privacy_reason=reason, privacy_refusal=kind)
             log(WARNING, "round %d: cluster %s stops (%s): %s", server_round, cluster, kind, reason)
         self.inner.destinations = self.destinations

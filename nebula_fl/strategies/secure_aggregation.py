@@ -1,21 +1,26 @@
 """Secure aggregation as a wrapper: the server unmasks only the sum of a round's surviving clusters.
 
-SecAgg+ (Bell et al. 2020) with the consistency check of Bonawitz et al. 2017, its round trips cut to the
-bone. Once per key epoch (the first round, and again only when the sampled clusters change or a cluster's
-key had to be rebuilt), two setup trips: `keys` (each cluster's two public keys, signed with its identity
-key) and `share` (the members, their keys and signatures; each cluster checks them against its roster and
-returns its mask key's Shamir shares sealed to its neighbours, which this wrapper forwards inside the next
-train messages). Every round is then the plain round, in which each cluster uploads its masked (w·x, w)
-with its self-mask seed's shares sealed to its neighbours, commitments and a signed receipt, plus one
-`unmask` trip: with nobody dropped, the receipts of all are the proof and survivors reveal self-mask
-shares; with dropouts, one `view` trip first, in which the survivors sign the survivor set, and the
-unmask carries those signatures, survivors then also revealing their round keys with the dropped. Only
-when a dropped cluster's neighbour dropped too after uploading is a further trip made (`recover`: that
-cluster's key shares), after which the cluster re-keys. What a cluster reveals, and why a lying server
-learns nothing more, is `secagg/reveal.py`; this wrapper is the honest server. A stage that leaves fewer
-than the threshold aborts the round (the global adapter stays) and the run goes on; a malformed or lying
-reply only drops its holder (`secagg/replies.py`). Bytes and seconds of the extra stages are counted in the
-round's traffic.
+SecAgg+ (Bell et al. 2020) with the consistency check of Bonawitz et al. 2017, each round its own instance,
+its round trips cut to the bone. Once per key epoch (the first round, and again only when a sampled cluster is
+not a member or would have fewer than t of its share holders in the round), two setup trips: `keys` (each
+cluster's channel key and its mask key of the round, signed with its identity key and the round) and `share`
+(the members, their keys and signatures; each cluster checks them against its roster and returns its mask
+key's Shamir shares sealed to its neighbours, which this wrapper forwards inside the next train messages).
+Every round is then the plain round, in which each cluster uploads its masked (w·x, w) with its self-mask
+seed's shares sealed to its neighbours, commitments, a signed receipt and its mask key of the NEXT round
+(signed with that round, shares sealed to its neighbours): this wrapper names each member's key of the round
+on the train messages and forwards the key shares, so a key masks one round and the keys cost no trip
+(`secagg/reveal.py`, rule 0). A sampled cluster whose key of the round this wrapper lacks (it was not in the
+round before, or its upload never came) is asked for it in one `next-key` trip, those clusters only. Then one
+`unmask` trip: with nobody dropped, the receipts of all are the proof and survivors reveal self-mask shares;
+with dropouts, one `view` trip first, in which the survivors sign the survivor set, and the unmask carries
+those signatures and the survivors' receipts, survivors then also revealing their round keys with the
+dropped. Only when a dropped cluster's neighbour dropped too after uploading is a further trip made
+(`recover`: the shares of the key the dropped cluster was to mask that round with, which masks nothing
+else). What a cluster reveals, and why a lying server learns nothing more, is `secagg/reveal.py`; this
+wrapper is the honest server. A stage that leaves fewer than the threshold aborts the round (the global
+adapter stays) and the run goes on; a malformed or lying reply only drops its holder (`secagg/replies.py`).
+Bytes and seconds of the extra stages are counted in the round's traffic.
 
 ROUND-OVERLAP (run config `round-overlap`): round r's unmask request rides on round r+1's train message and
 its answer on round r+1's reply, so a round nobody dropped out of costs the hops of a plain round (`extra_trips`
@@ -63,9 +68,10 @@ from nebula_fl.secagg.field import FieldCode, FieldError
 from nebula_fl.secagg.held import HeldRound, Upload
 from nebula_fl.secagg.identity import verify
 from nebula_fl.secagg.masking import remove_masks
-from nebula_fl.secagg.masks import pair_sign, round_key
+from nebula_fl.secagg.masks import pair_order, pair_sign, round_key
 from nebula_fl.secagg.replies import (
     ReplyError,
+    parse_key_publication,
     parse_keys,
     parse_share_tokens,
     parse_signature,
@@ -97,7 +103,6 @@ class SecAggWrapper(NebulaStrategy):
         self.directory = inner.directory
         self.client_sigma, self.client_clip = client_sigma, client_clip
         self.epoch: dict[str, Any] | None = None  # id, members, c_pks, s_pks, threshold, neighbours, tokens, acked
-        self.rekey: set[str] = set()  # clusters whose mask key was rebuilt: a new epoch before they are sampled
         self.grid: Grid | None = None
         self.round: dict[str, Any] = {}  # this round: set, code, nodes, federation
         self.extra: dict[int, NodeTraffic] = {}  # the extra stages' traffic, added to the round's
@@ -112,16 +117,15 @@ class SecAggWrapper(NebulaStrategy):
 
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        epoch = None if self.epoch is None else {**self.epoch, "acked": sorted(self.epoch["acked"])}
+        epoch = None if self.epoch is None else dict(self.epoch)
         held = None if self.held is None else self.held.state_dict()
-        return {"inner": self.inner.state_dict(), "epoch": epoch, "rekey": sorted(self.rekey), "held": held}
+        return {"inner": self.inner.state_dict(), "epoch": epoch, "held": held}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state["inner"])
         epoch = state.get("epoch")
-        # an epoch saved before clusters signed their keys has no identities: set up keys again
-        self.epoch = None if epoch is None or "setup" not in epoch else {**epoch, "acked": set(epoch["acked"])}
-        self.rekey = set(state.get("rekey", []))
+        # an epoch saved before each round had its own mask keys (no "keys") is set up again
+        self.epoch = None if epoch is None or "keys" not in epoch else dict(epoch)
         held = state.get("held")
         self.held = None if held is None else HeldRound.from_state_dict(held)
 
@@ -141,7 +145,8 @@ class SecAggWrapper(NebulaStrategy):
         assert self.grid is not None
         messages = [Message(content=RecordDict({RECORD: ConfigRecord(req)}), dst_node_id=node,
                             message_type=STAGE_TYPE) for node, req in requests.items()]
-        counter = "setup_trips" if what in ("key setup", "share distribution") else "extra_trips"
+        counter = {"key setup": "setup_trips", "share distribution": "setup_trips",
+                   "key renewal": "key_trips"}.get(what, "extra_trips")
         self.report[counter] = self.report.get(counter, 0) + 1
         outer = self.destinations
         replies, traffic = self.exchange(self.grid, messages, timeout=self.cfg.timeout, poll_interval=0.2)
@@ -174,13 +179,14 @@ class SecAggWrapper(NebulaStrategy):
         started = time.monotonic()
         epoch_id = f"r{server_round}-{secrets.token_hex(4)}"
         base = {"federation-id": federation, "epoch": epoch_id}
-        got, _ = self._stage(nodes, {n: {**base, "stage": "keys"} for n in nodes}, what="key setup")
+        got, _ = self._stage(nodes, {n: {**base, "stage": "keys", "round": server_round} for n in nodes},
+                             what="key setup")
         keys: dict[str, tuple[str, str, str, str]] = {}
         for cluster, reply in got.items():
             try:
                 keys[cluster] = parse_keys(reply)
                 if not verify(keys[cluster][2], keys[cluster][3], "keys", federation, epoch_id, cluster,
-                              *keys[cluster][:2]):
+                              *keys[cluster][:2], server_round):
                     raise ReplyError("its keys are not signed by its identity key")
             except ReplyError as err:
                 keys.pop(cluster, None)
@@ -195,30 +201,31 @@ class SecAggWrapper(NebulaStrategy):
                 "subtract its own update from the aggregate, and neither may drop out of a round")
         c_pks, s_pks, id_pks, sigs = ([keys[c][i] for c in members] for i in range(4))
         request = {**base, "stage": "share", "members": members, "c-pks": c_pks, "s-pks": s_pks, "id-pks": id_pks,
-                   "key-sigs": sigs, "num-shares": self.cfg.num_shares, "threshold": threshold}
+                   "key-sigs": sigs, "num-shares": self.cfg.num_shares, "threshold": threshold, "round": server_round}
         in_epoch = {n: c for n, c in nodes.items() if c in members}
         shared, failed = self._stage(in_epoch, dict.fromkeys(in_epoch, request), what="share distribution")
         if failed:
             raise StageFailed(f"cluster(s) {sorted(failed)} failed the share distribution; keys are set up again "
                               "next round")
-        tokens: dict[str, dict[str, str]] = {c: {} for c in members}  # holder -> sender -> sealed key share
+        tokens: dict[str, dict[str, str]] = {c: {} for c in members}  # holder -> "owner/number" -> sealed share
         for sender, reply in shared.items():
             try:
                 for holder, token in parse_share_tokens(reply).items():
                     if holder in tokens:
-                        tokens[holder][sender] = token
+                        tokens[holder][f"{sender}/{server_round}"] = token
             except ReplyError as err:
                 self._bad_reply("share distribution", sender, err)
                 raise StageFailed(f"cluster {sender}'s share distribution is unusable; keys are set up again next "
                                   "round") from None
         setup = setup_record(members=members, c_pks=c_pks, s_pks=s_pks, id_pks=id_pks, sigs=sigs,
-                             num_shares=self.cfg.num_shares, threshold=threshold)  # as each cluster keeps it
+                             num_shares=self.cfg.num_shares, threshold=threshold,
+                             first_round=server_round)  # as each cluster keeps it
         self.epoch = {"id": epoch_id, "members": members, "c_pks": c_pks, "s_pks": s_pks,
                       "ids": dict(zip(members, id_pks)), "setup": setup_digest(setup), "threshold": threshold,
                       "neighbours": {c: list(v) for c, v in
                                      graph.neighbours(members, num_shares=self.cfg.num_shares, seed=epoch_id).items()},
-                      "tokens": tokens, "acked": set()}
-        self.rekey -= set(members)
+                      "tokens": tokens, "first_round": server_round,
+                      "keys": {c: [server_round, s_pks[i], ""] for i, c in enumerate(members)}}
         self.report["setup_s"] = time.monotonic() - started
         log(INFO, "secure aggregation: key epoch %s over %d clusters (threshold %d) in %.1f s", epoch_id,
             len(members), threshold, self.report["setup_s"])
@@ -257,13 +264,18 @@ class SecAggWrapper(NebulaStrategy):
                 nodes[m.metadata.dst_node_id] = cluster
         sampled = set(nodes.values())
         try:
-            if self.epoch is None or sampled != set(self.epoch["members"]) or sampled & self.rekey:
+            if self.epoch is None or not self._covers(sampled):
                 self._setup(nodes, federation, server_round)
+            self._renew_keys(nodes, federation, server_round)
         except StageFailed as why:
             self._abort(server_round, str(why))
             return []
         assert self.epoch is not None
-        round_set = sorted(sampled & set(self.epoch["members"]), key=_order)
+        round_set = self._maskable(sampled, server_round)
+        for node, cluster in nodes.items():
+            if cluster not in round_set:
+                self.rejected[node] = (f"it cannot be masked in round {server_round}: no mask key of the round from it "
+                                       "(its next-key reply did not come), or too few of its share holders sampled")
         if len(round_set) < self.epoch["threshold"]:
             self._abort(server_round, f"{len(round_set)} of the epoch's clusters sampled, fewer than the threshold "
                                       f"{self.epoch['threshold']}")
@@ -271,6 +283,7 @@ class SecAggWrapper(NebulaStrategy):
         code = self._code(len(round_set))
         self.round = {"set": round_set, "code": code, "nodes": {n: c for n, c in nodes.items() if c in round_set},
                       "federation": federation, "positions": self._positions(), "server_round": server_round}
+        self.round["keys"] = {c: self.epoch["keys"][c][:2] for c in round_set}
         riding = self._riding_requests()
         out = []
         for m in messages:
@@ -282,9 +295,11 @@ class SecAggWrapper(NebulaStrategy):
                         "secagg-clip": code.clip, "secagg-max-weight": code.max_weight})
             if "privacy-sigma" in cfg:  # each cluster adds 1/t of the variance: every sum we can unmask has σ
                 cfg["privacy-noise-shares"] = int(self.epoch["threshold"])
-            if cluster not in self.epoch["acked"]:
-                held = self.epoch["tokens"].get(cluster, {})
-                cfg.update({"secagg-key-from": list(held), "secagg-key-tokens": list(held.values())})
+            named = {m: self.epoch["keys"][m] for m in round_set  # each member's key of this round, signed for it
+                     if m == cluster or m in self.epoch["neighbours"][cluster]}
+            held = self.epoch["tokens"].get(cluster, {})
+            cfg.update({"secagg-keys": json.dumps(named, sort_keys=True), "secagg-key-from": list(held),
+                        "secagg-key-tokens": list(held.values())})
             records = {name: record for name, record in m.content.items() if name != CONFIG_KEY}
             if cluster in riding:  # the held round's unmask request, answered beside this round's update
                 records[RECORD] = ConfigRecord(riding[cluster])
@@ -292,7 +307,71 @@ class SecAggWrapper(NebulaStrategy):
             content = RecordDict({**records, CONFIG_KEY: ConfigRecord(cfg)})
             out.append(Message(content=content, dst_node_id=m.metadata.dst_node_id,
                                message_type=m.metadata.message_type))
+        self._forget_delivered()
         return out
+
+    def _covers(self, sampled: set[str]) -> bool:
+        """Whether the epoch serves these sampled clusters: all members, each with at least t of its holders
+        sampled (else its stage refuses the round); otherwise a new epoch is set up over them."""
+        assert self.epoch is not None
+        if not sampled <= set(self.epoch["members"]):
+            return False
+        t = self.epoch["threshold"]
+        return all(len(({c} | set(self.epoch["neighbours"][c])) & sampled) >= t for c in sampled)
+
+    def _maskable(self, sampled: set[str], server_round: int) -> list[str]:
+        """The round set: sampled members with a mask key of this round, each with at least t of its holders among
+        them (a cluster checks this and refuses otherwise), pruned until every one has."""
+        assert self.epoch is not None
+        out = {c for c in sampled & set(self.epoch["members"]) if self.epoch["keys"][c][0] == server_round}
+        t = self.epoch["threshold"]
+        while short := {c for c in out if len(({c} | set(self.epoch["neighbours"][c])) & out) < t}:
+            out -= short
+        return sorted(out, key=_order)
+
+    def _renew_keys(self, nodes: dict[int, str], federation: str, server_round: int) -> None:
+        """One `next-key` trip, only for sampled clusters whose mask key of this round this server lacks: they were
+        not in the last round (the key rides on the upload before) or their upload never came. The others cost
+        nothing. A cluster still without one sits the round out."""
+        assert self.epoch is not None
+        lacking = {n: c for n, c in nodes.items()
+                   if c in self.epoch["members"] and self.epoch["keys"][c][0] != server_round}
+        if not lacking:
+            return
+        request = {"federation-id": federation, "epoch": self.epoch["id"], "stage": "next-key", "round": server_round}
+        got, _ = self._stage(lacking, dict.fromkeys(lacking, request), what="key renewal")
+        for cluster, reply in got.items():
+            try:
+                self._take_key(cluster, reply, server_round=server_round, federation=federation)
+            except ReplyError as err:
+                self._bad_reply("key renewal", cluster, err)
+
+    def _take_key(self, cluster: str, publication: Any, *, server_round: int, federation: str) -> None:
+        """A cluster's mask key of `server_round` (signed public half, sealed shares for each of its neighbours),
+        from its upload or a next-key reply; ReplyError if anything in it is off."""
+        assert self.epoch is not None
+        pk, sig = parse_key_publication(publication, server_round=server_round)
+        if not verify(self.epoch["ids"][cluster], sig, "mask-key", federation, self.epoch["id"], self.epoch["setup"],
+                      cluster, server_round, pk):
+            raise ReplyError(f"its mask key of round {server_round} is not signed by its identity key")
+        tokens = parse_share_tokens(publication)
+        if set(tokens) != set(self.epoch["neighbours"][cluster]):
+            raise ReplyError(f"it shared its mask key of round {server_round} with {sorted(tokens)}, not with its "
+                             "neighbours")
+        self.epoch["keys"][cluster] = [server_round, pk, sig]
+        for holder, token in tokens.items():
+            self.epoch["tokens"].setdefault(holder, {})[f"{cluster}/{server_round}"] = token
+
+    def _forget_delivered(self) -> None:
+        """A key masks one round: once this round's messages carry the shares of its keys to the holders in it, no
+        other holder will ever be asked for them (only holders that unmasked the round may give them), and keys of
+        earlier rounds are worthless."""
+        assert self.epoch is not None
+        server_round = self.round["server_round"]
+        for held in self.epoch["tokens"].values():
+            for name in list(held):
+                if int(name.rpartition("/")[2]) <= server_round:
+                    del held[name]
 
     def _abort(self, server_round: int, why: str) -> None:
         self.report["aborted"] = why
@@ -441,21 +520,22 @@ class SecAggWrapper(NebulaStrategy):
                 if set(head["tokens"]) != owed or set(head["commit"]["pairs"]) != owed:
                     raise ValueError(f"it sealed shares or committed pair keys for {sorted(head['tokens'])}, not for "
                                      f"{sorted(owed)}")
+                used = {m: self.round["keys"][m][0] for m in owed | {cluster}}
+                if head.get("keys") != used:
+                    raise ValueError(f"it masked with keys {head.get('keys')}, not the round's {used}")
                 signed = digest(head, masked)
                 if not verify(self.epoch["ids"][cluster], head["receipt"], "upload", *upload_fields(
                         federation=self.round["federation"], epoch=self.epoch["id"], setup=self.epoch["setup"],
-                        server_round=rnd,
-                        round_set=self.round["set"], member=cluster, digest=signed)):
+                        server_round=rnd, round_set=self.round["set"], member=cluster, keys=used, digest=signed)):
                     raise ValueError("its receipt is not its signature of this round's upload")
+                self._take_key(cluster, head.get("next-key"), server_round=rnd + 1, federation=self.round["federation"])
             except (KeyError, ValueError, TypeError, FieldError) as err:
                 self.rejected[node] = f"masked upload unusable: {err}"
                 log(WARNING, "round %d: dropped the masked upload of cluster %s: %s", rnd, cluster, err)
                 continue
             uploads[cluster] = Upload(vector=vector, tokens=head["tokens"], commits=head["commit"],
-                                      receipt=[signed, head["receipt"]])
+                                      receipt=[signed, head["receipt"], used])
             uploaded[node] = cluster
-            if metrics.get("secagg-keys-held"):
-                self.epoch["acked"].add(cluster)
         return uploads, uploaded
 
     def _positions(self) -> np.ndarray | None:
@@ -472,7 +552,7 @@ class SecAggWrapper(NebulaStrategy):
         assert self.epoch is not None
         return HeldRound(server_round=self.round["server_round"], epoch=self.epoch, round_set=list(self.round["set"]),
                          code=self.round["code"], federation=self.round["federation"],
-                         positions=self.round["positions"], uploads=uploads)
+                         positions=self.round["positions"], uploads=uploads, keys=dict(self.round["keys"]))
 
     def _unmask_requests(self, held: HeldRound, proof: dict[str, str]) -> dict[str, dict[str, Any]]:
         """Each survivor's unmask request (holder -> request): one function for the explicit trip and the
@@ -488,7 +568,8 @@ class SecAggWrapper(NebulaStrategy):
 
     @staticmethod
     def _receipts(held: HeldRound) -> dict[str, str]:
-        """The proof of a round nobody dropped: every upload's receipt."""
+        """Every upload's receipt: the proof of a round nobody dropped, and in a round with dropouts what shows each
+        holder that its surviving neighbours masked with the keys it did."""
         return {"receipts": json.dumps({c: u.receipt for c, u in held.uploads.items()}, sort_keys=True)}
 
     def _unmask(self, held: HeldRound, *, node_of: dict[str, int], answers: dict[str, dict[str, Any]] | None = None,
@@ -505,7 +586,8 @@ class SecAggWrapper(NebulaStrategy):
         base = {"federation-id": held.federation, "epoch": epoch["id"], "round": server_round,
                 "survivors": survivors, "dropped": dropped}
         if dropped:  # the survivors sign the survivor set: one more trip, only in a round with dropouts
-            proof = {"signatures": json.dumps(self._view_signatures(held, base, node_of), sort_keys=True)}
+            proof = {"signatures": json.dumps(self._view_signatures(held, base, node_of), sort_keys=True),
+                     **self._receipts(held)}
         else:  # nobody dropped: every upload's receipt is the proof, no extra trip
             proof = self._receipts(held)
         requests = self._unmask_requests(held, proof)
@@ -597,22 +679,22 @@ class SecAggWrapper(NebulaStrategy):
         asked = {h: [g for g in wanted if g in epoch["neighbours"][h]] for h in holders}
         got, _ = self._stage({node_of[h]: h for h in holders},
                              {node_of[h]: {**request, "clusters": asked[h]} for h in holders}, what="key recovery")
-        members = epoch["members"]
         try:
             keys, bad = read_recover(got, asked={h: set(v) for h, v in asked.items()}, threshold=epoch["threshold"],
-                                     public_keys={g: epoch["s_pks"][members.index(g)].encode() for g in wanted})
+                                     public_keys={g: str(held.keys[g][1]).encode() for g in wanted})
         except ShareError as err:
             raise StageFailed(f"the key recovery fell short: {err}") from None
         for holder, why in bad.items():
             self._bad_reply("key recovery", holder, ValueError(why))
         for gone in wanted:
-            self.rekey.add(gone)
-            log(INFO, "round %d: the mask key of cluster %s was rebuilt; it re-keys before it is sampled again",
+            log(INFO, "round %d: the mask key cluster %s was to mask it with was rebuilt (it masks no other round)",
                 server_round, gone)
         out = []
         for j, gone in missing:
-            secret = shares.pair_secret(keys[gone], epoch["s_pks"][members.index(j)].encode())
-            out.append((pair_sign(j, gone), round_key(secret, epoch=epoch["id"], server_round=server_round)))
+            secret = shares.pair_secret(keys[gone], str(held.keys[j][1]).encode())
+            seqs = pair_order(j, gone, int(held.keys[j][0]), int(held.keys[gone][0]))
+            out.append((pair_sign(j, gone), round_key(secret, epoch=epoch["id"], server_round=server_round,
+                                                      seqs=seqs)))
         self.report["recovered"] = wanted
         return out
 
