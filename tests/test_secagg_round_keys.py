@@ -79,6 +79,15 @@ def test_a_key_is_made_once_per_round_and_next_key_gives_it_again(tmp_path):
     assert first["pk"] == stage.state_dict()["fed1"]["epochs"][epoch]["mask_keys"]["3"]["pk"]
     later = stage.handle({**ask, "round": 7})
     assert later["seq"] == 7 and later["pk"] != first["pk"] and set(later["to"]) == set(first["to"])
+    state = stage.state_dict()
+    del state["fed1"]["epochs"][epoch]["mask_keys"]["1"]  # as when pruned
+    stage.load_state_dict(state)
+    with pytest.raises(SecAggRefusal, match="not after round 2, the last this cluster masked"):
+        stage.handle({**ask, "round": 1})  # a past round gets no new key: it could only mask a round already past
+    stage.handle({**ask, "round": 8}), stage.handle({**ask, "round": 9})
+    with pytest.raises(SecAggRefusal, match="unused mask keys of rounds ahead already"):
+        stage.handle({**ask, "round": 10})  # a server cannot make it prune the keys it will mask with
+    assert {"2", "3", "7", "8", "9"} <= set(stage.state_dict()["fed1"]["epochs"][epoch]["mask_keys"])
 
 
 def _config(wrapper, grid, rnd, cluster):

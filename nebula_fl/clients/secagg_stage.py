@@ -46,7 +46,8 @@ from nebula_fl.secagg.wire import commitment, digest, pack_upload
 EPOCH_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 KEPT_EPOCHS = 2
 KEPT_ROUNDS = 8
-KEPT_KEYS = KEPT_ROUNDS + 2  # own mask keys kept: one per round kept (a dropout round asks for pair keys), and the next
+KEPT_KEYS = KEPT_ROUNDS + 1  # own used mask keys kept, newest rounds (a dropout round asks for their pair keys)
+FUTURE_KEYS = 4  # own unused keys of rounds ahead, at most: asking for more is refused, never pruned into a key in use
 KEPT_KEY_SHARES = 64  # neighbours' mask-key shares kept, newest numbers first
 STATE_VERSION = 3  # state of an older layout is set aside: its epochs are unknown, so the server re-keys
 
@@ -225,7 +226,7 @@ class SecAggStage:
         tmp = self._path(federation).with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as handle:
-            json.dump(state, handle)
+            handle.write(json.dumps(state))  # json.dump streams through the pure-Python encoder: 3x slower
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, self._path(federation))
@@ -485,6 +486,13 @@ class SecAggStage:
         per round, so no two keys of one round can be shown to different holders. Its publication rides on an
         upload, or on a next-key reply."""
         if str(server_round) not in e["mask_keys"]:
+            newest = max((int(r) for r, k in e["mask_keys"].items() if k["round"] is not None), default=0)
+            if server_round <= newest:
+                raise SecAggRefusal(f"round {server_round} is not after round {newest}, the last this cluster masked; "
+                                    "no mask key is made for it")
+            if sum(1 for r, k in e["mask_keys"].items() if k["round"] is None and int(r) > newest) >= FUTURE_KEYS:
+                raise SecAggRefusal(f"this cluster holds {FUTURE_KEYS} unused mask keys of rounds ahead already; "
+                                    f"no key is made for round {server_round}")
             pair = KeyPair.generate()
             pk = pair.public.decode()
             nbrs = e["neighbours"]
@@ -501,8 +509,6 @@ class SecAggStage:
             e["mask_keys"][str(server_round)] = {
                 "sk": pair.private_pem.decode(), "pk": pk, "round": None, "own_share": own, "tokens": tokens,
                 "sig": self.identity.sign("mask-key", federation, epoch, e["setup_digest"], self.me, server_round, pk)}
-            for old in sorted(e["mask_keys"], key=int)[:-KEPT_KEYS]:
-                del e["mask_keys"][old]
         entry = e["mask_keys"][str(server_round)]
         return {"seq": server_round, "pk": entry["pk"], "sig": entry["sig"], "to": list(entry["tokens"]),
                 "tokens": list(entry["tokens"].values())}
@@ -548,6 +554,7 @@ class SecAggStage:
                                              share=piece).decode()
             masked = field.pack(mask_input(encoded, code=plan.code, self_seed=seed, pair_keys=pair), bits=plan.code.bits)
             own_key["round"] = plan.server_round
+            _prune_keys(e)
             used = {m: k for m, (k, _) in plan.keys.items()}
             head: dict[str, Any] = {"tokens": tokens, "commit": {"self": commitment(seed), "pairs": pair_commits},
                                     "keys": used}
@@ -716,6 +723,17 @@ class SecAggStage:
         self._save(federation)
         return {"key-from": list(held), "key-shares": list(held.values()),
                 "key-ids": [named[c] for c in held]}
+
+
+def _prune_keys(e: dict[str, Any]) -> None:
+    """Drop own mask keys that can serve nothing: used ones beyond the newest KEPT_KEYS, unused ones of rounds before
+    the newest round masked (that round is past; no key is made for it again)."""
+    used = sorted((int(r) for r, k in e["mask_keys"].items() if k["round"] is not None), reverse=True)
+    for r in used[KEPT_KEYS:]:
+        del e["mask_keys"][str(r)]
+    for r, k in list(e["mask_keys"].items()):
+        if k["round"] is None and used and int(r) < used[0]:
+            del e["mask_keys"][r]
 
 
 def _round_id(epoch: str, server_round: int) -> str:

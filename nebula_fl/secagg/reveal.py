@@ -50,11 +50,14 @@ in R keep theirs hidden and are in C; either way |C| >= t. Across rounds: everyt
 self shares, pair keys, shares of keys of r — is a function of secrets that mask r alone (rule 0), and
 every rule above is about r alone, so what the server gathers over any number of rounds, epochs (fresh
 keys, other ids) and federations (other state, other ids) is, round by round, what one round's argument
-allows. (Binding keys to rounds is what makes this so: with one key an epoch, or a key numbered per use
-whose round the server chooses, t holders certified in round r' that a neighbour a of j dropped and
-gave a's key, which also keyed a's pair mask with j in an earlier round whose self mask of j was
-revealed: j's update of that round; tests/secagg_campaign.py plays both.) So the server learns no single
-update and no sum of fewer than t clusters of one round, whatever it says to whom and whenever it asks. Colluding clusters: their shares count for the server; with c of them among a
+allows. (Binding keys to rounds is what makes this so. With one key an epoch, a key rebuilt for the round
+its owner dropped out of also opens its pair masks of every other round of the epoch, with a cluster whose
+self mask of such a round was revealed: that cluster's update. With a key numbered per use whose round the
+server names, t holders told in round r' that a neighbour a of j dropped, a's key being the one a masked an
+earlier round with, give that key, which opens a's pair mask with j of that earlier round.
+tests/secagg_campaign.py searches schedules of both kinds: the first layout leaks, this one does not.) So
+the server learns no single update and no sum of fewer than t clusters of one round, whatever it says to
+whom and whenever it asks. Colluding clusters: their shares count for the server; with c of them among a
 cluster's holders the argument needs t > (holders + c) / 2, and a sum over C reveals Σ over C's honest
 members, |C| - c of them. A round without dropouts reveals only self shares, on the receipts it already
 carries: no extra trip; a round with dropouts costs one (the survivors sign their view).
