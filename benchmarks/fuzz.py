@@ -824,11 +824,10 @@ def _secagg_views(ids: list[str]) -> list[frozenset[str]]:
 
 
 def _unmask_request(ep: Any, holder: str, survivors: frozenset[str]) -> dict[str, Any]:
-    """The request an honest server sends: every receipt (nobody dropped), or every survivor's signature."""
-    request = {**ep.base(survivors), **ep.forwarded(holder, survivors), "stage": "unmask"}
-    if survivors == frozenset(ep.ids):
-        request["receipts"] = json.dumps(ep.receipts)
-    else:
+    """The request an honest server sends: every upload's receipt, and with dropouts every survivor's signature."""
+    request = {**ep.base(survivors), **ep.forwarded(holder, survivors), "stage": "unmask",
+               "receipts": json.dumps(ep.receipts)}
+    if survivors != frozenset(ep.ids):
         request["signatures"] = json.dumps({m: ep.signature(m, survivors) for m in survivors})
     return request
 

@@ -214,10 +214,12 @@ def test_a_dropped_cluster_whose_pair_keys_nobody_can_reveal_has_its_key_rebuilt
     epoch = wrapper.epoch["id"]
     own = clusters[0].stage.state_dict()["fed1"]["epochs"][epoch]["mask_keys"]
     assert own["1"]["round"] is None, "the rebuilt key (round 1's) never masked anything"
+    rebuilt = own["1"]["pk"]
     check_round(wrapper, clusters, grid, layout, initial, 2, "none", set(range(5)))
     assert wrapper.epoch["id"] == epoch and wrapper.report["key_trips"] == 1 and wrapper.report.get("setup_trips", 0) == 0
     own = clusters[0].stage.state_dict()["fed1"]["epochs"][epoch]["mask_keys"]
-    assert own["2"]["round"] == 2 and own["2"]["pk"] != own["1"]["pk"], "round 2 was masked with round 2's own key"
+    assert own["2"]["round"] == 2 and own["2"]["pk"] != rebuilt, "round 2 was masked with round 2's own key"
+    assert "1" not in own, "the unused key of a past round is dropped: nothing can use it"
 
 
 def test_a_revealed_self_mask_opens_one_round_and_the_next_round_s_key_can_still_be_rebuilt(tmp_path):
