@@ -2,18 +2,19 @@
 
 Lives on rank 0 beside the privacy gate, so only masked vectors leave the cluster. Requests come from the
 server (through the ClientApp): `keys` (a new epoch: two fresh EC key pairs, public halves out, signed
-with the cluster's identity key: `c` seals shares for the whole epoch, `s` is mask key 0), `share` (the
-epoch's members, their keys and signatures, checked against the roster; mask key 0 is Shamir-shared among
-the neighbours and itself, each share sealed to its holder), then per round the masking of the update:
+with the cluster's identity key: `c` seals shares for the whole epoch, `s` is the mask key of the epoch's
+first round), `share` (the epoch's members, their keys and signatures, checked against the roster; that
+mask key is Shamir-shared among the neighbours and itself, each share sealed to its holder), then per round the masking of the update:
 the train request carries the epoch, the round set, the mask key each neighbour in the round masks with
 (signed by its owner) and the shares of neighbours' keys sealed to this cluster; the upload carries
-commitments, a signed receipt naming the keys used, and this cluster's *next* mask key (its public half
-signed, its private half shared and sealed): a mask key masks one round (reveal.py, rule 0), at no extra
+commitments, a signed receipt naming the keys used, and this cluster's mask key of the next round (its
+public half signed with that round, its private half shared and sealed): a mask key masks one round (reveal.py, rule 0), at no extra
 trip. Then `view` (only in a round with dropouts: sign the survivor set, once), `unmask` (self-mask shares
 of survivors, pair keys with clusters that dropped, on the evidence reveal.py demands; with round-overlap
 it rides on the next round's train message and its answer on that round's reply: `answer_riding`) and,
 rarely, `recover` (shares of the keys dropped clusters were to mask a round with) and `next-key` (this
-cluster's unused key again, for a server that lost the upload carrying it). `secagg/reveal.py` holds every
+cluster's key of a round, for a server that lacks it: the cluster was not in the round before, or the upload
+carrying it never came). `secagg/reveal.py` holds every
 rule and why it is enough. The state (private keys included) is a 0600 JSON file in the state folder,
 written before any reply leaves, so a restarted trainer keeps its keys and its promises.
 """
@@ -26,6 +27,7 @@ import json
 import os
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -357,14 +359,9 @@ class SecAggStage:
                 shares.check_public(s_pks[i].encode())
         except ShareError as err:
             raise SecAggRefusal(f"a member's public key is invalid: {err}") from None
-        pieces = shares.split(e["s_sk"].encode(), threshold=threshold, holders=holders)
-        tokens: dict[str, str] = {}
-        for holder, piece in zip((self.me, *nbrs), pieces):
-            if holder == self.me:
-                e["own_key_share"] = b64(piece)
-                continue
-            header = {"kind": "key", "from": self.me, "to": holder, "epoch": epoch, "seq": e["first_round"]}
-            tokens[holder] = shares.seal(self._seal_key(e, holder, setup), header=header, share=piece).decode()
+        e["own_key_share"], tokens = self._share_out(
+            e, e["s_sk"].encode(), others=nbrs, threshold=threshold, setup=setup,
+            header={"kind": "key", "epoch": epoch, "seq": e["first_round"]})
         e.update(setup=setup, setup_digest=evidence.setup_digest(setup), ids=ids,
                  graph={m: list(v) for m, v in nbrs_of.items()}, neighbours=list(nbrs), threshold=threshold,
                  tokens=tokens, key_shares={}, log=RevealLog().state_dict(),
@@ -372,6 +369,15 @@ class SecAggStage:
                                                     "own_share": e["own_key_share"], "tokens": tokens}})
         self._save(federation)
         return {"to": list(tokens), "tokens": list(tokens.values())}
+
+    def _share_out(self, e: dict[str, Any], secret: bytes, *, others: Sequence[str], threshold: int,
+                   setup: dict[str, Any], header: dict[str, Any]) -> tuple[str, dict[str, str]]:
+        """(this cluster's own share, holder -> its share sealed under `header` plus from/to): `secret` Shamir-shared
+        among this cluster and `others`, any `threshold` of the shares rebuilding it."""
+        pieces = shares.split(secret, threshold=threshold, holders=len(others) + 1)
+        tokens = {holder: shares.seal(self._seal_key(e, holder, setup), header={**header, "from": self.me, "to": holder},
+                                      share=piece).decode() for holder, piece in zip(others, pieces[1:])}
+        return b64(pieces[0]), tokens
 
     @staticmethod
     def _seal_key(e: dict[str, Any], other: str, setup: dict[str, Any]) -> bytes:
@@ -495,17 +501,8 @@ class SecAggStage:
                                     f"no key is made for round {server_round}")
             pair = KeyPair.generate()
             pk = pair.public.decode()
-            nbrs = e["neighbours"]
-            pieces = shares.split(pair.private_pem, threshold=int(e["threshold"]), holders=len(nbrs) + 1)
-            tokens: dict[str, str] = {}
-            own = ""
-            for holder, piece in zip((self.me, *nbrs), pieces):
-                if holder == self.me:
-                    own = b64(piece)
-                    continue
-                header = {"kind": "key", "from": self.me, "to": holder, "epoch": epoch, "seq": server_round}
-                tokens[holder] = shares.seal(self._seal_key(e, holder, e["setup"]), header=header,
-                                             share=piece).decode()
+            own, tokens = self._share_out(e, pair.private_pem, others=e["neighbours"], threshold=int(e["threshold"]),
+                                          setup=e["setup"], header={"kind": "key", "epoch": epoch, "seq": server_round})
             e["mask_keys"][str(server_round)] = {
                 "sk": pair.private_pem.decode(), "pk": pk, "round": None, "own_share": own, "tokens": tokens,
                 "sig": self.identity.sign("mask-key", federation, epoch, e["setup_digest"], self.me, server_round, pk)}
@@ -514,8 +511,8 @@ class SecAggStage:
                 "tokens": list(entry["tokens"].values())}
 
     def mask(self, plan: RoundPlan, *, values: np.ndarray, weight: int) -> np.ndarray:
-        """The upload of this round: (w·x, w) encoded, masked with this cluster's unused mask key and its
-        neighbours' keys of the round, packed, with its self-mask seed shared out, the next mask key
+        """The upload of this round: (w·x, w) encoded, masked with this cluster's mask key of the round and its
+        neighbours', packed, with its self-mask seed shared out, the next mask key
         (rule 0 of reveal.py), its commitments and its signed receipt."""
         rng = np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
         try:
@@ -541,17 +538,9 @@ class SecAggStage:
                                      server_round=plan.server_round)
                 pair[pair_sign(self.me, other)].append(key)
                 pair_commits[other] = commitment(key)
-            holders = [self.me, *in_round]
-            pieces = shares.split(seed, threshold=plan.threshold, holders=len(holders))
-            tokens: dict[str, str] = {}
-            for holder, piece in zip(holders, pieces):
-                if holder == self.me:
-                    own = b64(piece)
-                    continue
-                header = {"kind": "self", "from": self.me, "to": holder, "epoch": plan.epoch,
-                          "round": plan.server_round, "key": seq}
-                tokens[holder] = shares.seal(self._seal_key(e, holder, e["setup"]), header=header,
-                                             share=piece).decode()
+            own, tokens = self._share_out(e, seed, others=in_round, threshold=plan.threshold, setup=e["setup"],
+                                          header={"kind": "self", "epoch": plan.epoch, "round": plan.server_round,
+                                                  "key": seq})
             masked = field.pack(mask_input(encoded, code=plan.code, self_seed=seed, pair_keys=pair), bits=plan.code.bits)
             own_key["round"] = plan.server_round
             _prune_keys(e)
