@@ -109,7 +109,7 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
         "privacy policy: what this cluster allows to leave it, whatever the server asks (flags override the file)")
     policy.add_argument("--privacy-policy", metavar="FILE", help="a JSON file with the fields below")
     policy.add_argument("--privacy-mode", choices=("off", "sample", "client"),
-                        help="off (any request is admitted), sample (DP-SGD per example) or client (per update)")
+                        help="off (any request is admitted, DP with no ε cap: 'no budget'), sample (DP-SGD per example) or client (per update)")
     policy.add_argument("--min-noise-multiplier", type=float, help="the lowest noise multiplier σ to train with")
     policy.add_argument("--target-epsilon", type=float, help="or: the ε the planned run ends at (σ floor derived)")
     policy.add_argument("--planned-rounds", type=int, metavar="N",

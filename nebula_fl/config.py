@@ -346,9 +346,10 @@ class TrainConfig(Section):
     round_overlap: bool = False
     """Overlap compute with the network: after a cluster sends round r's update its trainer trains on at once
     (round r+1's steps, from its own weights), and when round r+1's message brings the new global adapter it
-    sends what it trained since its last send and rebases that progress onto the new global. The server's outer
-    step is unchanged but uses updates one round stale (Kale et al. 2025); a cluster's GPU no longer idles
-    through the Flower hops (clients/overlap.py)."""
+    sends what it trained since its last send and rebases its unapplied progress onto the new global (the
+    message says which rounds that global holds). The server's outer step is unchanged but uses updates one
+    round stale; a cluster's GPU no longer idles through the Flower hops (clients/overlap.py). Exact with
+    fedavg; with momentum outer optimizers lower outer-lr (strategies/staleness.py)."""
     batch_size: int = 16
     """Examples per worker per step; 1 to 65,536."""
     lr: float = 5e-3

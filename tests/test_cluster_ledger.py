@@ -65,3 +65,54 @@ def test_a_line_torn_by_a_crash_is_ignored_but_damage_elsewhere_stops_everything
     path.write_bytes((json.dumps(bad) + "\n").encode())
     with pytest.raises(LedgerError, match="restore it from a backup"):
         ClusterLedger(path=path)
+
+
+def record(ledger, rnd, **extra):
+    return ledger.record(federation="a", round=rnd, mode="sample", noise_multiplier=1.0, sample_rate=0.1, steps=5,
+                         delta=1e-5, **extra)
+
+
+def test_an_append_after_a_torn_line_cuts_it_and_a_whole_last_entry_is_kept(tmp_path):
+    path = tmp_path / "privacy-ledger.jsonl"
+    record(ClusterLedger(path=path), 1)
+    whole = path.read_bytes()
+    path.write_bytes(whole + b'{"v": 1, "federation": "a", "rou')  # the process died mid-append: never released
+    record(ClusterLedger(path=path), 2)
+    assert [e["round"] for e in ClusterLedger(path=path).entries()] == [1, 2]  # not glued to the torn line
+    path.write_bytes(path.read_bytes().rstrip(b"\n"))  # restored by hand without its last line end: it counts
+    assert ClusterLedger(path=path).steps(mode="sample") == 10
+    record(ClusterLedger(path=path), 3)
+    assert [e["round"] for e in ClusterLedger(path=path).entries()] == [1, 2, 3]
+
+
+def test_a_failed_append_leaves_the_file_as_it_was_and_says_so(tmp_path, monkeypatch):
+    import os
+    import types
+
+    from nebula_fl.privacy import cluster_ledger
+
+    path = tmp_path / "privacy-ledger.jsonl"
+    ledger = ClusterLedger(path=path)
+    record(ledger, 1)
+    before = path.read_bytes()
+
+    def fsync(_fd):
+        raise OSError(5, "Input/output error")
+
+    names = {name: getattr(os, name) for name in dir(os) if not name.startswith("__")}
+    monkeypatch.setattr(cluster_ledger, "os", types.SimpleNamespace(**{**names, "fsync": fsync}))
+    with pytest.raises(LedgerError, match=r"^could not append to the privacy ledger '.*' \(Input/output error\); "
+                                          r"nothing was recorded: free disk space"):
+        record(ledger, 2)
+    assert path.read_bytes() == before and ledger.steps(mode="sample") == 5  # neither the file nor the count moved
+    monkeypatch.undo()
+    record(ledger, 2)
+    assert [e["round"] for e in ClusterLedger(path=path).entries()] == [1, 2]
+
+
+def test_a_release_made_with_no_budget_says_so_in_the_ledger(tmp_path):
+    path = tmp_path / "privacy-ledger.jsonl"
+    ledger = ClusterLedger(path=path)
+    assert record(ledger, 1, no_budget=True)["no_budget"] is True
+    assert "no_budget" not in record(ledger, 2)
+    assert [e.get("no_budget", False) for e in ClusterLedger(path=path).entries()] == [True, False]

@@ -104,3 +104,15 @@ def test_loading_another_optimizers_state_is_refused():
     b = make_strategy(OuterConfig(outer_optimizer="nesterov"))
     with pytest.raises(ValueError, match="'adam' optimizer state"):
         b.load_state_dict(a.state_dict())
+
+
+def test_overlap_with_an_outer_optimizer_that_keeps_momentum_is_warned_about_and_fedavg_is_not():
+    from nebula_fl.strategies.staleness import stale_step_warning
+
+    for outer in ("fedavgm", "nesterov", "adam", "flwr:FedAdam", "flwr:FedAvgM"):
+        said = stale_step_warning(outer=outer, overlap=True, secure=False)
+        assert said is not None and f"'{outer}'" in said and "one round old" in said
+        assert "two rounds old" in stale_step_warning(outer=outer, overlap=True, secure=True)
+        assert stale_step_warning(outer=outer, overlap=False, secure=True) is None
+    for outer in ("fedavg", "flwr:FedAvg", "my-plugin"):
+        assert stale_step_warning(outer=outer, overlap=True, secure=True) is None

@@ -6,7 +6,16 @@ import time
 import numpy as np
 import pytest
 
-from nebula_fl.clients.overlap import Ahead, ahead_usable, rebased, same_mechanism, steps_ahead, steps_on_arrival
+from nebula_fl.clients.overlap import (
+    Ahead,
+    Unapplied,
+    ahead_usable,
+    global_round_of,
+    rebased,
+    same_mechanism,
+    steps_ahead,
+    steps_on_arrival,
+)
 from nebula_fl.clients.protocol import request
 from nebula_fl.config import RunConfig
 from nebula_fl.errors import ConfigError
@@ -25,6 +34,37 @@ def test_rebase_keeps_the_unsent_progress_on_the_new_global_exactly_once():
     update = {"a": np.array([0.5, -1.0], np.float32)}
     assert rebased(new_global, update)["a"].tolist() == [1.5, 1.0]
     assert rebased(new_global, update)["a"].dtype == np.float32
+
+
+def test_the_rebase_carries_every_own_update_the_global_does_not_hold_and_none_it_does():
+    """Plain overlap: round n's global holds n-1. Secure overlap: it holds n-2 (round n-1's sum is applied one round
+    late), so the cluster carries u_{n-1} and u_n; assuming n-1 there dropped u_{n-1} and sent it twice."""
+    g = {"a": np.zeros(2, np.float32)}
+    u = {r: {"a": np.array([float(r), 10.0 * r], np.float32)} for r in (1, 2, 3)}
+    kept = Unapplied()
+    kept.keep(1, u[1])
+    assert kept.base(g, global_round=0)["a"].tolist() == [1.0, 10.0]  # round 1's global holds nothing of it
+    kept.keep(2, u[2])
+    assert kept.base(g, global_round=0)["a"].tolist() == [3.0, 30.0]  # secure overlap: u1 and u2 both unapplied
+    kept.keep(3, u[3])
+    assert kept.base(g, global_round=1)["a"].tolist() == [5.0, 50.0]  # u1 is in G now: forgotten, never re-added
+    assert sorted(kept.updates) == [2, 3]
+    assert kept.base(g, global_round=3)["a"].tolist() == [0.0, 0.0]  # all decided: the cluster goes on from G
+    kept.keep(4, u[1])
+    again = Unapplied()
+    again.load_state_dict(kept.state_dict())  # a snapshot keeps them (tensors, as torch.load(weights_only) reads)
+    assert again.base(g, global_round=3)["a"].tolist() == [1.0, 10.0]
+
+
+@pytest.mark.parametrize(("value", "error"), [
+    (None, "does not say which rounds"), (True, "must be an integer"), (1.5, "must be an integer"), ("1", "integer"),
+    (-1, "0..2 only"), (3, "0..2 only"), (7, "0..2 only"),
+])
+def test_the_global_round_is_said_by_the_server_and_checked(value, error):
+    with pytest.raises(ValueError, match=error):
+        global_round_of({} if value is None else {"global-round": value}, server_round=3)
+    assert global_round_of({"global-round": 2}, server_round=3) == 2
+    assert global_round_of({"global-round": 0.0}, server_round=3) == 0
 
 
 @pytest.mark.parametrize(("fixed", "ahead", "overlap", "want"), [
@@ -85,7 +125,7 @@ def make(tiny_model):
 
     def config(rnd, **extra):
         return {**cfg.train.to_flat(), **cfg.model.to_flat(), "labels": LABELS, "federation-id": "fed1", "seed": 0,
-                "server-round": rnd, "num-server-rounds": 5, **extra}
+                "server-round": rnd, "global-round": rnd - 1, "num-server-rounds": 5, **extra}
 
     config.start = adapter_arrays(build_model(cfg.model, num_labels=5, seed=0))
     return config
@@ -165,6 +205,33 @@ def test_time_budgeted_rounds_train_until_the_message_and_charge_the_steps_taken
     assert overlapped[-1]["busy-seconds"] / overlapped[-1]["since-send-seconds"] > 0.3
     taken = sum(m["steps"] for m in blocking + overlapped)
     assert overlapped[-1]["dp-steps"] == taken  # the ledger holds the steps taken, not the cap
+
+
+def test_a_real_trainer_under_secure_overlap_carries_both_updates_its_global_lacks(tmp_path, tiny_model, make):
+    """The server's schedule under secure aggregation with round-overlap: round n's global holds rounds <= n - 2
+    (`global-round`). The trainer's snapshot after round n holds its anchor, which must be G + u_{n-1} + u_n (the
+    old rule, G + u_n, dropped u_{n-1} and sent it again); a message saying the global holds 1..3 leaves u_4 alone."""
+    from nebula_fl.clients.snapshots import SnapshotStore
+
+    on = {"round-overlap": True}
+    proc, sock = start(tmp_path, tiny_model, "secure", workers=1)
+    g = {k: v.copy() for k, v in make.start.items()}
+    sent, globals_ = {}, {}
+    try:
+        for rnd, holds in ((1, 0), (2, 0), (3, 1), (4, 3)):  # round 4: the server says the global holds 1..3
+            globals_[rnd] = g
+            _, sent[rnd] = request(sock, {"op": "train", "config": make(rnd, **on, **{"global-round": holds})}, g)
+            if rnd >= 2:  # the sum of round rnd - 1 is applied one round late (this cluster alone: its update)
+                g = plus(g, sent[rnd - 1], lr=1.0)
+    finally:
+        stop_trainer(proc)
+    store = SnapshotStore(tmp_path / "state" / "snapshots" / "fed1")
+    for rnd, carried in ((2, (1, 2)), (3, (2, 3)), (4, (4,))):  # the newest 3 kept
+        anchor = {k: v.numpy() for k, v in store.load(rnd)["ranks"][0]["anchor"].items()}
+        want = {k: globals_[rnd][k] + sum((sent[r][k] for r in carried), np.zeros_like(globals_[rnd][k]))
+                for k in anchor}
+        for k in anchor:
+            np.testing.assert_allclose(anchor[k], want[k], atol=1e-6, err_msg=f"round {rnd}, {k}")
 
 
 def test_steps_trained_ahead_under_another_mechanism_are_set_aside_not_released(tmp_path, tiny_model, make):

@@ -69,3 +69,23 @@ def test_the_floor_is_the_operators_plan_whatever_the_server_asks(tmp_path, roun
     # a request by target ε over the server's own plan is judged against the same floor
     target = cluster.admit({**request, "privacy.target-epsilon": 4.0}, world=1)
     assert target.allowed == (rounds * local_steps >= 50 and batch >= 100)
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_a_cluster_with_no_policy_says_it_ran_the_servers_dp_with_no_budget(tmp_path, secure):
+    from nebula_fl.clients.outgoing import released
+    from nebula_fl.clients.protocol import pack, split
+
+    request = {"privacy.mode": "sample", "privacy.noise-multiplier": 0.3, "privacy.batch-size": N, "local-steps": 2,
+               "num-server-rounds": 1000, "server-round": 1}
+    for policy, flagged in (({}, True), ({"mode": "sample", "min_noise_multiplier": 0.3, "max_epsilon": 1e4}, False)):
+        cluster = gate(tmp_path / str(flagged), **policy)
+        admission = cluster.admit(request, world=1)
+        assert admission.allowed and (admission.budget is None) == flagged  # no cap at all, only the request's
+        cluster.charge(federation="f", server_round=1, admission=admission)
+        assert cluster.ledger.entries()[0].get("no_budget", False) is flagged
+        metrics = cluster.metrics(admission, federation="f")
+        # the flag is the operator's setting, not the data's: it passes secure aggregation's filter on purpose
+        sent = split(released(pack({"ok": True, "metrics": metrics}), secure=secure))[0]["metrics"]
+        assert sent.get("privacy-no-budget") == (1 if flagged else None)
+        assert ("epsilon" in sent) is not secure  # (per-example figures stay in the cluster under masking)

@@ -122,3 +122,48 @@ def test_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(NebulaError, match="not a nebula-fl run folder"):
         build_report(tmp_path / "empty")
+
+
+def test_a_cluster_with_no_budget_of_its_own_is_marked(tmp_path):
+    folder = RunFolder(tmp_path / "run")
+    folder.write_config({"num-server-rounds": 2})
+    for rnd in (1, 2):  # cluster 0's policy is off; cluster 1's is not; cluster 2 masks (no per-example figure leaves)
+        folder.append_round({"round": rnd, "clusters": {
+            "0": cluster_entry(200.0 * rnd, 20 * rnd, privacy_no_budget=1),
+            "1": cluster_entry(1.0 * rnd, 20 * rnd, max_epsilon=8.0),
+            "2": {"privacy_mode": "sample", "max_grad_norm": 1.0, "accountant": "prv", "privacy_no_budget": 1}}})
+    folder.update_summary(status="completed", privacy={"mode": "sample", "clusters": {}})
+    report = build_report(folder.path)
+    c0, c1, c2 = (report["clusters"][cid] for cid in ("0", "1", "2"))
+    assert (c0["no_budget"], c1["no_budget"], c2["no_budget"]) == (True, False, True)
+    assert c0["max_epsilon"] is None and c0["final"]["epsilon"] == 400.0
+    assert "cluster 0: final ε 400.00, NO BUDGET (its policy is 'off': it runs whatever differential privacy the " \
+           "server asks, with no ε cap of its own)" in report["verdict"]
+    assert "cluster 1: final ε 2.00 within its budget ε ≤ 8;" in report["verdict"]
+    assert "cluster 2: final ε -, NO BUDGET" in report["verdict"]
+    console = Console(record=True, width=200)
+    print_report(console, report)
+    text = " ".join(console.export_text().split())
+    assert "cluster 0: sample-level DP, each example's influence (prv accountant, no budget (policy 'off'))" in text
+    write_report(folder.path, report=report)  # the figure says it too, and draws the masked cluster's empty rows
+
+
+def test_a_clusters_own_report_marks_the_releases_it_made_with_no_budget(tmp_path):
+    from nebula_fl.privacy.cluster_ledger import LEDGER_FILE, ClusterLedger
+    from nebula_fl.privacy.cluster_report import build_cluster_report, print_cluster_report, write_cluster_report
+
+    ledger = ClusterLedger(path=tmp_path / LEDGER_FILE, accountant="rdp")
+    for rnd, no_budget in ((1, True), (2, True), (3, False)):  # a policy set after two rounds
+        ledger.record(federation="f", round=rnd, mode="client", noise_multiplier=0.5, sample_rate=1.0, steps=1,
+                      delta=1e-5, no_budget=no_budget)
+    report = build_cluster_report(tmp_path)
+    section = report["modes"]["client"]
+    assert [row["no_budget"] for row in section["rows"]] == [True, True, False]
+    assert section["no_budget_releases"] == 2
+    console = Console(record=True, width=240)
+    print_cluster_report(console, report)
+    text = console.export_text()
+    assert text.count("no budget") >= 3  # the title (no policy now), and a note on each such release
+    assert "client: 2 release(s) with no budget: the policy was 'off', so this cluster ran whatever differential " \
+           "privacy the server asked, with no ε cap of its own" in " ".join(text.split())
+    write_cluster_report(report)

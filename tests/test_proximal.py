@@ -139,7 +139,7 @@ def _config(model_path: Path, rnd: int = 1, **extra) -> dict:
     cfg = RunConfig().replace({"model": str(model_path), "local-steps": 6, "batch-size": 4, "max-seq-len": 16,
                                "lr": 0.01, "lr-schedule": "constant"})
     return {**cfg.train.to_flat(), **cfg.model.to_flat(), "labels": LABELS, "federation-id": "fed1", "seed": 0,
-            "server-round": rnd, "num-server-rounds": 5, **extra}
+            "server-round": rnd, "global-round": rnd - 1, "num-server-rounds": 5, **extra}
 
 
 def _norm(arrays: dict) -> float:
@@ -182,7 +182,7 @@ def _checks(model_path: Path, out: Path, rank: int, world: int) -> dict:
     found["overlap-anchor-is-global"] = all(np.array_equal(anchor[k], start[k]) for k in start)
     found["overlap-start-is-not"] = any(not np.array_equal(trainer.anchor[k], start[k]) for k in start)
     moved = {k: v + 0.01 for k, v in start.items()}  # round 2's message brings a new global
-    _, metrics = trainer.train_round({**config, "server-round": 2}, moved, off)
+    _, metrics = trainer.train_round({**config, "server-round": 2, "global-round": 1}, moved, off)
     anchor = {k: trainer.proximal.anchor[i].numpy() for i, k in enumerate(sorted(start))}
     found["overlap-new-anchor"] = all(np.array_equal(anchor[k], moved[k]) for k in start)
     # per-example DP: the term is added after Opacus's noise; a huge mu keeps the update near the global

@@ -12,6 +12,7 @@ from nebula_fl.config import OuterConfig
 from nebula_fl.errors import NebulaError
 from nebula_fl.strategies import make_strategy
 from nebula_fl.strategies.adapter_strategy import to_numpy
+from nebula_fl.strategies.base import RoundFinishFailed
 
 GLOBAL = {"w": np.zeros(3, np.float32)}
 
@@ -199,7 +200,7 @@ def _slow_failure(error):
 def test_an_overlapped_evaluation_failing_while_the_next_round_runs_ends_the_run_and_records_nothing_after_it():
     fail_round_one, on_round = _slow_failure(RuntimeError("the evaluation of round 1 broke"))
     grid, recorded = GatedGrid({1: "0"}, on_round=on_round), []
-    with pytest.raises(RuntimeError, match="round 1 broke"):
+    with pytest.raises(RoundFinishFailed, match="round 1's evaluation failed: RuntimeError: the evaluation of round 1 broke"):
         make_strategy(OuterConfig()).start(
             grid, ArrayRecord({"w": Array(GLOBAL["w"])}), num_rounds=4, timeout=60.0, train_config=ConfigRecord({}),
             evaluate_fn=fail_round_one, evaluate_initial=False, on_round_end=lambda o: recorded.append(o.round),
@@ -216,7 +217,7 @@ def test_a_record_failing_while_the_next_round_runs_ends_the_run_and_records_not
         recorded.append(outcome.round)
         fail_round_one(outcome.round)
 
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(RoundFinishFailed, match=r"round 1's record failed: OSError: .*No space left"):
         make_strategy(OuterConfig()).start(
             grid, ArrayRecord({"w": Array(GLOBAL["w"])}), num_rounds=4, timeout=60.0, train_config=ConfigRecord({}),
             evaluate_fn=None, evaluate_initial=False, on_round_end=on_round_end, poll_interval=0.01)
@@ -231,10 +232,44 @@ def test_a_record_failing_while_the_last_round_runs_fails_the_run_instead_of_com
         recorded.append(outcome.round)
         fail_round_one(outcome.round)
 
-    with pytest.raises(OSError, match="No space left") as info:
+    with pytest.raises(RoundFinishFailed, match="No space left") as info:
         make_strategy(OuterConfig()).start(
             GatedGrid({1: "0"}, on_round=on_round), ArrayRecord({"w": Array(GLOBAL["w"])}), num_rounds=2,
             timeout=60.0, train_config=ConfigRecord({}), evaluate_fn=None, evaluate_initial=False,
             on_round_end=on_round_end, poll_interval=0.01)
     assert recorded == [1]
-    assert "finishing round 1" in " ".join(info.value.__notes__)
+    assert info.value.round == 1 and info.value.step == "record" and isinstance(info.value.__cause__, OSError)
+
+
+def test_training_runs_at_most_one_round_ahead_of_the_records():
+    recorded: list[int] = []
+    behind: list[tuple[int, int]] = []  # (round being sent, rounds recorded by then)
+
+    def slow_record(outcome):
+        time.sleep(0.15)
+        recorded.append(outcome.round)
+
+    def on_round(n):
+        behind.append((n, len(recorded)))
+
+    make_strategy(OuterConfig()).start(
+        GatedGrid({1: "0"}, on_round=on_round), ArrayRecord({"w": Array(GLOBAL["w"])}), num_rounds=6, timeout=60.0,
+        train_config=ConfigRecord({}), evaluate_fn=None, evaluate_initial=False, on_round_end=slow_record,
+        poll_interval=0.01)
+    assert recorded == [1, 2, 3, 4, 5, 6]
+    assert all(done >= n - 2 for n, done in behind), behind  # round r starts once round r-2 is recorded
+
+
+def test_a_slow_record_that_fails_stops_training_within_two_rounds_and_names_its_round_and_step():
+    def failing_record(outcome):
+        time.sleep(0.3)
+        if outcome.round == 1:
+            raise OSError(28, "No space left on device")
+
+    grid = GatedGrid({1: "0"}, on_round=lambda n: None)
+    with pytest.raises(RoundFinishFailed, match=r"^round 1's record failed: OSError: .*No space left") as info:
+        make_strategy(OuterConfig()).start(
+            grid, ArrayRecord({"w": Array(GLOBAL["w"])}), num_rounds=50, timeout=60.0, train_config=ConfigRecord({}),
+            evaluate_fn=None, evaluate_initial=False, on_round_end=failing_record, poll_interval=0.01)
+    assert grid.trained() == 2  # round 3 waited for round 1's record, and the run ended there
+    assert (info.value.round, info.value.step) == (1, "record")

@@ -97,7 +97,9 @@ def test_a_failed_overlapped_evaluation_ends_the_run_with_its_error():
     def evaluate(rnd, arrays):
         raise RuntimeError(f"the evaluation of round {rnd} broke")
 
-    with pytest.raises(RuntimeError, match="round 1 broke"):
+    from nebula_fl.strategies.base import RoundFinishFailed
+
+    with pytest.raises(RoundFinishFailed, match=r"round 1's evaluation failed: RuntimeError: .*round 1 broke"):
         strategy.start(ScriptedGrid({1: "0"}), ArrayRecord({"w": Array(np.zeros(3, np.float32))}), num_rounds=4,
                        timeout=60.0, train_config=ConfigRecord({}), evaluate_fn=evaluate, evaluate_initial=False,
                        on_round_end=lambda o: None, poll_interval=0.01, overlap_evaluation=True)

@@ -1,4 +1,5 @@
 import os
+import re
 import stat
 import threading
 import time
@@ -72,7 +73,8 @@ def test_a_summary_or_config_write_that_dies_after_its_temp_file_leaves_the_prev
     with pytest.raises(OSError, match="Input/output"):
         folder.write_config({"run_config": {"seed": 2}})
     monkeypatch.undo()
-    assert temp_files == [".summary.json.tmp", ".config.json.tmp"]
+    assert [re.fullmatch(r"\.(summary|config)\.json\.[0-9a-f]{16}\.tmp", name)[1] for name in temp_files] == [
+        "summary", "config"]
     assert {name: (tmp_path / name).read_bytes() for name in before} == before
     assert folder.read_summary()["status"] == "running" and not list(tmp_path.glob(".*.tmp"))
 
@@ -119,6 +121,7 @@ def test_a_record_failing_while_the_next_round_runs_fails_the_run_and_a_resume_r
     from nebula_fl.config import OuterConfig, RunConfig
     from nebula_fl.server import app
     from nebula_fl.strategies import make_strategy
+    from nebula_fl.strategies.base import RoundFinishFailed
     from tests.test_round_faults import GatedGrid, ScriptedGrid
 
     # Prepare: an in-process ServerApp run of 4 rounds whose record of round 2 fails once round 3 is being trained
@@ -147,11 +150,13 @@ def test_a_record_failing_while_the_next_round_runs_fails_the_run_and_a_resume_r
     monkeypatch.setattr(RunFolder, breaks, record)
     folder = RunFolder(tmp_path / "run")
     # Execute
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(RoundFinishFailed, match="No space left"):
         app.ServerRun(RunConfig.from_flat(flat)).run(GatedGrid({1: "0"}, on_round=on_round))
-    # Assert: failed with the error, and nothing recorded after the missing round
+    # Assert: failed with the error, naming the round and the step, and nothing recorded after the missing round
     summary = folder.read_summary()
-    assert summary["status"] == "failed" and "OSError" in summary["error"] and "No space left" in summary["error"]
+    step = "checkpoint" if breaks == "save_checkpoint" else "record"
+    assert summary["status"] == "failed" and f"round 2's {step} failed: OSError: " in summary["error"]
+    assert "No space left" in summary["error"]
     assert [line["round"] for line in folder.rounds()] == [1]
     assert folder.load_checkpoint()[0] == (1 if breaks == "save_checkpoint" else 2)
     # Execute: resume, nothing failing now
@@ -193,3 +198,27 @@ def test_a_signal_whose_exception_turns_into_another_error_still_ends_the_run_as
     summary = RunFolder(tmp_path / "run").read_summary()
     assert stop.value.code == 130 and summary["status"] == "interrupted" and summary["error"] == "stopped by SIGTERM"
     assert signal.getsignal(signal.SIGTERM) is not None and [x["round"] for x in RunFolder(tmp_path / "run").rounds()] == [1]
+
+
+def test_concurrent_summary_writers_neither_collide_on_a_temp_file_nor_lose_each_others_fields(tmp_path):
+    """The ServerApp and the launcher both update summary.json: each write has its own temp file, and each
+    read-change-write holds the folder's summary lock."""
+    folder, errors = RunFolder(tmp_path), []
+    folder.update_summary(status="running")
+
+    def writer(t):
+        try:
+            for i in range(25):
+                RunFolder(tmp_path).update_summary(**{f"w{t}_{i}": i})
+        except Exception as err:  # e.g. FileNotFoundError: another writer renamed the shared temp file away
+            errors.append(err)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    summary = folder.read_summary()
+    assert all(f"w{t}_{i}" in summary for t in range(6) for i in range(25)) and summary["status"] == "running"
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -72,6 +72,10 @@ class FakeRanks:
             metrics.update({"update-norm-before-clip": self.n / 1e4, "clipped": 1, "noise-std": 0.5})
         return {"blob": np.frombuffer(blob, dtype=np.uint8)}, metrics
 
+    def commit(self, *, failed=None):  # the ranks keep the round once it is charged (ClusterTrainer.commit)
+        if failed:
+            raise RequestError(failed)
+
 
 class StubStage:
     """Secure aggregation's cluster side as the boundary calls it on a masked round."""

@@ -206,6 +206,7 @@ def _trainer_checks(model_path: Path, out: Path, rank: int, world: int) -> dict:
     start = _initial(config, model_path)
     straight = _trainer("fsdp", out / "resume", model_path, rank, world, control)
     straight.train_round(config, start, off)
+    straight.commit()  # kept: snapshotted (rank 0 would charge it first)
     second, _ = straight.train_round({**config, "server-round": 2}, start, off)
     restarted = _trainer("fsdp", out / "resume", model_path, rank, world, control)
     again, _ = restarted.train_round({**config, "server-round": 2}, start, off)

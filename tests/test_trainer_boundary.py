@@ -158,3 +158,21 @@ def test_a_policy_that_protects_nothing_stops_the_trainer_at_start(tmp_path, tin
     proc = subprocess.run(trainer_cmd(tmp_path, tiny_model, *flags), capture_output=True, text=True, timeout=120)
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and fragment in lines[0], proc.stderr
+
+
+def test_a_cluster_with_no_policy_says_it_runs_any_dp_the_server_asks_uncapped(tmp_path, tiny_model, make):
+    from nebula_fl.privacy.cluster_report import build_cluster_report
+
+    make_config, adapter = make
+    proc, sock = start(tmp_path, tiny_model)  # the CLI's default policy: off
+    try:
+        start_line = (tmp_path / "t.log").read_text()
+        assert ("privacy policy: off; no budget: it runs whatever differential privacy a server asks, with no ε cap "
+                "of its own") in start_line
+        reply, _ = request(sock, {"op": "train", "config": make_config("f", 1, **client_dp(0.3))}, adapter)
+        assert reply["metrics"]["privacy-no-budget"] == 1 and "max-epsilon" not in reply["metrics"]
+        assert reply["metrics"]["epsilon"] > 10  # σ = 0.3 once: what a policy's default budget would have refused
+    finally:
+        stop(proc)
+    rows = build_cluster_report(tmp_path / "state")["modes"]["client"]["rows"]
+    assert [row["no_budget"] for row in rows] == [True]

@@ -41,6 +41,7 @@ IN_THE_CLEAR = {
     "privacy-mode": "the mode of the privacy figures: the request's, or the operator's policy's",
     "max-grad-norm": "the clipping norm: the request's, or the operator's",
     "max-epsilon": "the operator's budget, or the request's if lower",
+    "privacy-no-budget": "that the operator set no budget (policy 'off', as `hello` says): a setting, not the data",
     "accountant": "the operator's choice",
 }
 # Client-level DP accounts each release at q = 1 with the server's σ and δ = 1e-5 (or the operator's): no figure

@@ -1,18 +1,32 @@
 """Overlapped rounds: what a cluster trains while the network carries its update, and how that is merged.
 
 Blocking, a cluster sends round r's update and idles until round r+1's message brings the new global
-adapter G_r: on an accelerator that wait is most of the round (Flower hops of seconds against steps of
+adapter: on an accelerator that wait is most of the round (Flower hops of seconds against steps of
 milliseconds). Overlapped, it trains on at once from its own weights, and the merge is a *rebase*:
 
-    on round r+1's message:  u = W − A          (everything trained since the last send, sent once)
-                             W ← G_r + u,  A ← W (the progress not yet in any global, kept on the new one)
+    on round n's message (global G, which holds every round <= k, "global-round" = k):
+        u_n = W - A                                   everything trained since the last send, sent once
+        W <- G + sum of this cluster's u_r, k < r <= n   A <- W
 
-A is the anchor, the weights right after the last send. G_r already holds this cluster's previous update
-(averaged with the others'), so only u, which no global holds yet, is carried over: no step is lost and none
-is counted twice. Each update is thus computed from a point one round stale — the server's outer step is
-unchanged and applies it one round late, which "eager updates" (Kale et al. 2025) show costs no loss for
-DiLoCo-style training. Streaming DiLoCo's mixing (W ← α W + (1 − α) G) would instead discard part of the
-overlap's progress that was never sent; the rebase keeps all of it.
+A is the anchor, the weights right after the last send. The message says which rounds G holds: a round
+<= k was decided (its sum applied, or dropped for good as a blocking round's would be), a later one was not.
+The cluster keeps its own updates of the undecided rounds (`Unapplied`) and carries them on G, so no step is
+lost and none is counted twice, whatever the server's schedule:
+
+    blocking                      k = n - 1, nothing trained ahead: W <- G (the rule with nothing carried)
+    overlapped                    k = n - 1: W <- G + u_n; each update is one round stale
+    overlapped, secure aggregation  k = n - 2 (round n-1's sum is unmasked from answers riding on round n's
+                                  message, applied one round late): W <- G + u_{n-1} + u_n; each update is
+                                  one round stale, and G two rounds old
+
+The server's outer step is unchanged and applies each update late. With FedAvg (outer lr 1) that is exact: the
+global moves by the mean of the updates, so the clusters' mean anchor is the new global and overlapped training
+follows blocking's trajectory (one round late under secure aggregation; tests/mode_equivalence.py). A momentum or
+adaptive outer step moves the global by more than the mean, and momentum on late updates can diverge: the
+server warns (strategies/staleness.py, with the rates measured to converge). Streaming DiLoCo's mixing (W <- a W + (1 - a) G) would instead
+discard part of the overlap's progress that was never sent; the rebase keeps all of it. The round number is
+never inferred: a cluster that assumed k = n - 1 under secure aggregation dropped its own u_{n-1} from its
+weights, relearned it, and sent it twice (the error followed e_{n+1} = e_{n-1} - e_{n-2}: divergence).
 
 With fixed `local-steps` the rebase happens after exactly those steps whatever the timing (a message that
 arrives early waits for them), so overlapped runs stay bit-reproducible and `--resume` exact. Time-budgeted
@@ -47,10 +61,68 @@ class Ahead:
     admission: Admission | None = None  # the mechanism those steps ran under (their release must be the same)
 
 
-def rebased(new_global: Arrays, update: Arrays) -> Arrays:
-    """The cluster's weights after a send: the new global plus the progress it just sent, which no global holds
-    yet. float32 throughout, as the exchanged tensors are."""
-    return {k: (np.asarray(new_global[k], dtype=np.float32) + update[k]).astype(np.float32) for k in update}
+def rebased(new_global: Arrays, *updates: Arrays) -> Arrays:
+    """The cluster's weights after a send: the new global plus the progress it sent that the global does not hold
+    yet, added in round order. float32 throughout, as the exchanged tensors are."""
+    out = {k: np.asarray(v, dtype=np.float32).copy() for k, v in new_global.items()}
+    for update in updates:
+        for k in out:
+            out[k] = (out[k] + update[k]).astype(np.float32)
+    return out
+
+
+@dataclass
+class Unapplied:
+    """This cluster's own sent updates that no global it received holds yet, by round.
+
+    `base(G, global_round=k)` is where the cluster goes on after a send: G plus each kept update of a round > k;
+    updates of rounds <= k are dropped (G holds them, or they were dropped for good). Kept only while rounds
+    overlap: a blocking cluster trains from G, and so does one whose kept updates are all decided."""
+
+    updates: dict[int, Arrays] = field(default_factory=dict)
+
+    def keep(self, server_round: int, update: Arrays) -> None:
+        self.updates[int(server_round)] = {k: np.asarray(v, dtype=np.float32).copy() for k, v in update.items()}
+
+    def decided(self, global_round: int) -> None:
+        """Forget every update of a round <= `global_round`: the global holds it or never will."""
+        for r in [r for r in self.updates if r <= global_round]:
+            del self.updates[r]
+
+    def base(self, new_global: Arrays, *, global_round: int) -> Arrays:
+        """G plus every kept update the global does not hold (after forgetting those it does)."""
+        self.decided(global_round)
+        return rebased(new_global, *(self.updates[r] for r in sorted(self.updates)))
+
+    def clear(self) -> None:
+        self.updates.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors, as a snapshot holds them (torch.load(weights_only=True) reads them back)."""
+        import torch
+
+        return {"unapplied": {str(r): {k: torch.from_numpy(v.copy()) for k, v in u.items()}
+                              for r, u in self.updates.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("unapplied") or {}
+        self.updates = {int(r): {k: np.asarray(v, dtype=np.float32).copy() for k, v in u.items()}
+                        for r, u in saved.items()}
+
+
+def global_round_of(config: dict[str, Any], *, server_round: int) -> int:
+    """The last round the message's global holds ("global-round"): said by the server, never inferred; it must
+    be an integer in [0, server_round - 1]. A ValueError says what is wrong and how to fix it."""
+    value = config.get("global-round")
+    if value is None:
+        raise ValueError(f"round {server_round}'s message does not say which rounds its global adapter holds "
+                         "('global-round'); the server is older than this cluster: upgrade it")
+    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+        raise ValueError(f"round {server_round}'s 'global-round' is {value!r}; it must be an integer")
+    if not 0 <= int(value) < server_round:
+        raise ValueError(f"round {server_round}'s 'global-round' is {int(value)}; a global can hold rounds "
+                         f"0..{server_round - 1} only")
+    return int(value)
 
 
 def steps_on_arrival(*, fixed: int | None, ahead: int, overlap: bool) -> int | None:

@@ -86,7 +86,13 @@ class PrivacyGate:
             return
         self.ledger.record(federation=federation, round=server_round, mode=admission.mode,
                            noise_multiplier=admission.noise_multiplier, sample_rate=admission.sample_rate,
-                           steps=admission.steps, delta=admission.delta)
+                           steps=admission.steps, delta=admission.delta, no_budget=self.no_budget)
+
+    @property
+    def no_budget(self) -> bool:
+        """The operator set no policy (mode 'off'): the cluster runs whatever DP the server asks, with no ε cap of
+        its own (only a budget the request itself sets)."""
+        return self.policy.budget is None
 
     def metrics(self, admission: Admission, *, federation: str) -> dict[str, Any]:
         """What the round's reply says about this cluster's privacy (cumulative over its whole life)."""
@@ -106,6 +112,8 @@ class PrivacyGate:
             out["max-grad-norm"] = admission.max_grad_norm
         if admission.budget is not None:
             out["max-epsilon"] = admission.budget
+        if self.no_budget:  # a setting of the operator's, never of the data: said under secure aggregation too
+            out["privacy-no-budget"] = 1
         return out
 
     def refusal(self, admission: Admission, *, federation: str, cluster_id: int) -> dict[str, Any]:

@@ -10,8 +10,9 @@ through ``agree`` before any collective that could otherwise hang. Rank 0 alone 
 and writes the cluster's snapshots.
 
 Inner-optimizer state (AdamW moments), the batch stream and each rank's RNG persist across rounds,
-as in DiLoCo, and are snapshotted after every round this cluster trains (``snapshots.py``): a
-restarted trainer continues from its newest snapshot. What the server may ask is decided before a
+as in DiLoCo, and are snapshotted after every round this cluster trains, once its release is charged
+(``commit``: write-ahead, ledger then snapshot then reply; ``snapshots.py``): a restarted trainer continues
+from its newest snapshot, which the ledger always covers. What the server may ask is decided before a
 round reaches the ranks, by rank 0's privacy gate and reply cache (``trainer_service.py``).
 """
 
@@ -32,7 +33,15 @@ import torch.distributed as dist
 
 from nebula_fl.clients.exchange import Exchange, privatize_update
 from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr, train_steps
-from nebula_fl.clients.overlap import Ahead, ahead_usable, busy, rebased, steps_ahead, steps_on_arrival
+from nebula_fl.clients.overlap import (
+    Ahead,
+    Unapplied,
+    ahead_usable,
+    busy,
+    global_round_of,
+    steps_ahead,
+    steps_on_arrival,
+)
 from nebula_fl.clients.proximal import ProximalTerm, attach, proximal_penalty
 from nebula_fl.clients.reply_cache import FEDERATION_ID
 from nebula_fl.clients.sharding import load_optimizer_state, local_optimizer_state, wrap
@@ -77,6 +86,8 @@ class ClusterTrainer:
         self.tokenizer = None
         self.anchor: Arrays | None = None  # overlapped rounds: the weights right after the last send
         self.ahead = Ahead()  # trained since the last send, not yet sent
+        self.unapplied = Unapplied()  # overlapped rounds: this cluster's sent updates no global received holds yet
+        self.global_round = 0  # the last round the global of the message being trained holds ("global-round")
         self.proximal: ProximalTerm | None = None  # `prox-mu` > 0: the pull toward the last global received
         self.last_config: dict[str, Any] | None = None  # the last round sent, and its train section parsed
         self.last_train: TrainConfig | None = None
@@ -123,11 +134,13 @@ class ClusterTrainer:
             "prox-term": float(proximal_penalty([torch.from_numpy(after[k]) for k in after],
                                                 [torch.from_numpy(np.asarray(global_arrays[k])) for k in after],
                                                 mu=self.proximal.mu))}
-        if train_cfg.round_overlap:  # the progress just measured, kept on the new global (clients/overlap.py)
-            self.anchor = rebased(global_arrays, update)
+        if train_cfg.round_overlap:  # the progress no global holds yet, kept on the new one (clients/overlap.py)
+            self.unapplied.keep(server_round, update)
+            self.anchor = self.unapplied.base(global_arrays, global_round=self.global_round)
             self.task.load_exchanged(self.model_core, self.anchor)
         else:
             self.anchor = None
+            self.unapplied.clear()
         privacy_metrics: dict[str, Any] = {}
         if admission.mode == "client" and self.ctx.rank == 0:
             update, privacy_metrics = privatize_update(update, admission)
@@ -138,8 +151,7 @@ class ClusterTrainer:
         self.exchange.keep_view(view, server_round)
         self.round = server_round
         self.last_config, self.last_train, self.last_admission = config, train_cfg, admission
-        self.ahead = Ahead()
-        self._save_snapshot()
+        self.ahead = Ahead()  # (kept, snapshotted, only by `commit`, once rank 0 charged the round)
         now = time.monotonic()
         since_send = None if self.sent_at is None else now - self.sent_at
         self.sent_at = now
@@ -221,6 +233,8 @@ class ClusterTrainer:
             for group in self.optimizer.param_groups:
                 group["lr"], group["weight_decay"] = self.base_lr, train_cfg.weight_decay
             global_arrays, view = self.exchange.receive(config, payload)
+            if train_cfg.round_overlap:  # which rounds the message's global holds: the server says, never inferred
+                self.global_round = global_round_of(config, server_round=server_round)
             if not train_cfg.round_overlap or self.round is None or self.round + 1 != server_round:
                 self.anchor = None  # overlap carries progress over one round only: further, start from the global
             if self.ahead.steps == 0:  # else the model holds the anchor plus what was trained ahead
@@ -425,6 +439,7 @@ class ClusterTrainer:
         self.round = 0
         self.exchange.reset()
         self.anchor, self.ahead = None, Ahead()
+        self.unapplied.clear()
 
     # -- snapshots ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -437,6 +452,7 @@ class ClusterTrainer:
             "schedule": self.schedule.state_dict(),
             **rng_state(self.ctx.device),
             "anchor": None if self.anchor is None else {k: torch.from_numpy(v.copy()) for k, v in self.anchor.items()},
+            **self.unapplied.state_dict(),
             **self.exchange.state_dict(),
         }
 
@@ -451,13 +467,39 @@ class ClusterTrainer:
         anchor = state.get("anchor")
         self.anchor = None if anchor is None else {k: v.numpy().copy() for k, v in anchor.items()}
         self.ahead = Ahead()
+        self.unapplied.load_state_dict(state)
         self.exchange.load_state_dict(state)
 
-    def _save_snapshot(self) -> None:
+    def commit(self, *, failed: str | None = None) -> None:
+        """Keep the round `train_round` just trained, on every rank, or drop it: write-ahead, rank 0 charges the
+        ledger first, then the snapshot is written, then the reply may leave. `failed`: rank 0's reason the round may
+        not be kept (its charge failed); other ranks pass None. A round not kept (that, or a snapshot that cannot be
+        written) is dropped from memory on every rank, so the next round restores the last snapshot, which the
+        ledger covers: no restart, and no later round, ever continues from training that was not charged."""
+        try:
+            self.agree(failed)
+            self.agree(self._save_snapshot())
+        except RequestError:
+            self.drop_state()
+            raise
+
+    def drop_state(self) -> None:
+        """Forget the in-memory state: the next round starts from the newest snapshot before it."""
+        self.state_valid = False
+        self.ahead = Ahead()
+
+    def _save_snapshot(self) -> str | None:
+        """Every rank's state to rank 0, which writes the round's snapshot; returns why it could not (None: written)."""
         states: list[Any] = [None] * self.ctx.world
         dist.all_gather_object(states, self.state_dict(), group=self.ctx.control)
-        if self.ctx.rank == 0:
+        if self.ctx.rank != 0:
+            return None
+        try:
             self.snapshots.save(self.round, world=self.ctx.world, ranks=states)
+        except (OSError, RuntimeError) as err:  # torch.save reports a failed write as a RuntimeError
+            return (f"cluster {self.ctx.cluster_id} could not write its snapshot of round {self.round} ({err}); the "
+                    "round is dropped: free space in its --state-dir")
+        return None
 
     def _restore_before(self, server_round: int, train_cfg: TrainConfig) -> None:
         """Make the in-memory state the one this cluster had just before `server_round`.

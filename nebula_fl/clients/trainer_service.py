@@ -10,9 +10,12 @@ Rank 0 is the cluster's boundary. Connections are handled on threads with I/O ti
 client holds nothing); `hello` is answered at once, even mid-round; `train` requests queue for the
 ranks. Before a round reaches them, rank 0 answers a round already released from the reply cache,
 refuses to train the past again, and asks the privacy gate (the operator's policy and the
-cluster's own ledger) whether, and with which mechanism, the round may run. After training it
-records the release in the ledger and caches the reply before sending it. Every frame it sends, replies and
-refusals alike, passes ``outgoing.released`` (what may leave the cluster, under secure aggregation or not).
+cluster's own ledger) whether, and with which mechanism, the round may run. After training, write-ahead:
+it records the release in the ledger (fsynced), then every rank keeps the round in a snapshot, then it
+caches the reply and sends it; a failure at any step drops the round on every rank (``ClusterTrainer.commit``),
+so no snapshot, restart or later round ever holds training the ledger does not cover. Every frame it sends,
+replies and refusals alike, passes ``outgoing.released`` (what may leave the cluster, under secure aggregation
+or not).
 """
 
 from __future__ import annotations
@@ -132,6 +135,7 @@ def _worker_main(rank: int, opts: TrainerOptions, init_file: str, parent: int) -
             _, config, arrays, admission = box[0]
             try:
                 trainer.train_round(config, arrays, admission)
+                trainer.commit()  # kept, or dropped, as rank 0's charge went (write-ahead)
             except RequestError:
                 pass
 
@@ -157,6 +161,7 @@ class Round:
     update: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     riding: dict[str, Any] = field(default_factory=dict)  # {"secagg": the last round's unmask answer}, overlapped
+    failed: str | None = None  # why the round's charge failed: the ranks drop it instead of keeping it
 
 
 class Boundary:
@@ -280,6 +285,7 @@ class Boundary:
             self._admit(rnd)
             self._train_on_ranks(rnd)
             self._charge(rnd)
+            self._keep(rnd)
             self._mask(rnd)
             frame = self._reply(rnd)
         except Answer as answer:
@@ -364,13 +370,25 @@ class Boundary:
                         f"{busy}, rank divergence {m['rank-divergence']:g}")
 
     def _charge(self, rnd: Round) -> None:
-        """charge: the release goes into the ledger before anything leaves, with the steps actually taken (a time
-        budget may take fewer than the gate admitted)."""
-        if rnd.admission.mode == "sample":
-            rnd.admission = dataclasses.replace(rnd.admission, steps=int(rnd.metrics["steps"]))
+        """charge: the release goes into the ledger (fsynced) before the round is kept or anything leaves, with the
+        steps actually taken (a time budget may take fewer than the gate admitted). A charge that fails, whatever
+        the error, is `rnd.failed`: `_keep` then drops the round on every rank."""
         try:
+            if rnd.admission.mode == "sample":
+                rnd.admission = dataclasses.replace(rnd.admission, steps=int(rnd.metrics["steps"]))
             self.gate.charge(federation=rnd.federation, server_round=rnd.number, admission=rnd.admission)
-        except NebulaError as err:  # a ledger that cannot be written: nothing leaves
+        except Exception as err:  # a LedgerError, an OSError, anything: the round's training was not charged
+            rnd.failed = (f"round {rnd.number} could not be charged to the privacy ledger ({err}); nothing was "
+                          "released and the round is dropped")
+
+    def _keep(self, rnd: Round) -> None:
+        """keep: every rank snapshots the charged round, or drops it (`ClusterTrainer.commit`); what it did not
+        keep never leaves."""
+        from nebula_fl.clients.trainer import RequestError
+
+        try:
+            self.trainer.commit(failed=rnd.failed)
+        except RequestError as err:
             raise Answer(self._error(str(err), plain=False)) from None
 
     def _mask(self, rnd: Round) -> None:
@@ -459,6 +477,15 @@ def _lock_state_dir(state_dir: Path, *, wait_s: float = LOCK_WAIT_S, poll_s: flo
     return fd
 
 
+def budget_phrase(policy: PrivacyPolicy) -> str:
+    """The start line's word on the budget: the lifetime cap, or, with no policy, that there is none."""
+    if policy.budget is None:
+        return ("; no budget: it runs whatever differential privacy a server asks, with no ε cap of its own (to set "
+                "one, give a policy: --privacy-mode with its flags, or --privacy-policy FILE)")
+    return f"; lifetime budget ε ≤ {policy.budget:g}" + (
+        " (default: the policy sets no max_epsilon)" if policy.budget_is_default else "")
+
+
 def run_trainer(opts: TrainerOptions) -> int:
     """Check everything, start the ranks and supervise them until a signal or a failure; returns the exit status."""
     import multiprocessing as mp
@@ -508,14 +535,12 @@ def run_trainer(opts: TrainerOptions) -> int:
     signal.signal(signal.SIGINT, _stop)
     for p in procs:
         p.start()
-    policy = opts.policy
-    budget = "" if policy.budget is None else f"; lifetime budget ε ≤ {policy.budget:g}" + (
-        " (default: the policy sets no max_epsilon)" if policy.budget_is_default else "")
+    budget = budget_phrase(opts.policy)
     spent = {m: ledger.steps(mode=m) for m in ("sample", "client")}
     print(
         f"trainer {opts.cluster_id}: {opts.workers} worker(s) on {'+'.join(devices)} "
         f"({precision}, parallel {opts.parallel}), {len(opts.shard)} examples, "
-        f"socket {opts.socket_path}; privacy policy: {policy.mode}{budget}; ledger {spent['sample']} sample-level "
+        f"socket {opts.socket_path}; privacy policy: {opts.policy.mode}{budget}; ledger {spent['sample']} sample-level "
         f"step(s), {spent['client']} client-level release(s) so far; {secagg.describe()}",
         flush=True,
     )

@@ -56,6 +56,11 @@ def round_line(line: dict[str, Any], total: int) -> str:
     rejected = f" | dropped: {', '.join(sorted(line['rejected']))}" if line.get("rejected") else ""
     if line.get("skipped"):
         rejected += " | SKIPPED: too few usable updates, the global adapter stays"
+    secagg = line.get("secagg") or {}
+    if line.get("trained") is False:  # a flush after the loop: no cluster trained
+        rejected += f" | no training: applied held round(s) {_rounds(secagg.get('unmasked_rounds'))}"
+    if secagg.get("not_applied"):
+        rejected += f" | NOT APPLIED: round(s) {_rounds(e['round'] for e in secagg['not_applied'])}"
     shown = [n for n in metric_names([line]) if n != "loss"] or ["accuracy"]
     evaluated = "".join(f"{_label(n)} {_fmt(line.get(n))}, " for n in shown)
     return (
@@ -63,6 +68,10 @@ def round_line(line: dict[str, Any], total: int) -> str:
         f"up {human_bytes(line.get('bytes_up'))}, down {human_bytes(line.get('bytes_down'))}, "
         f"{line.get('seconds', 0):.1f} s{f' (train loss {per})' if per else ''}{rejected}"
     )
+
+
+def _rounds(rounds) -> str:
+    return ", ".join(map(str, rounds or [])) or "-"
 
 
 def results_table(rounds: Sequence[dict[str, Any]], *, initial: dict[str, Any] | None = None) -> Table:
@@ -104,4 +113,6 @@ def print_summary(console: Console, rounds: Sequence[dict[str, Any]], summary: d
         f"final {summary.get('metric', 'accuracy')} {_fmt(summary.get('final_metric', summary.get('final_accuracy')))} | up {human_bytes(summary.get('bytes_up_total'))} | "
         f"down {human_bytes(summary.get('bytes_down_total'))} | wall {summary.get('wall_seconds') or 0:.0f} s"
     )
+    for lost in summary.get("rounds_not_applied") or []:
+        console.print(f"[yellow]round {lost['round']}'s updates are not in the final adapter: {lost['reason']}[/yellow]")
     console.print(f"run folder: {out}")

@@ -13,6 +13,7 @@ are composed separately; ε is Opacus's accountant over each mode's history (``p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -24,10 +25,53 @@ from nebula_fl.privacy.ledger import Entry, check_mechanism, epsilon_of, merge_e
 
 LEDGER_FILE = "privacy-ledger.jsonl"
 FORMAT = 1
+TAIL_BYTES = 1 << 16  # a ledger line is well under this: a longer unterminated tail is not one torn line
 
 
 class LedgerError(NebulaError):
     """The ledger file cannot be trusted; the trainer refuses to release anything until it is fixed."""
+
+
+def _parse(line: bytes) -> dict[str, Any]:
+    """One ledger line as an entry; ValueError, KeyError or TypeError if it is not one."""
+    entry = json.loads(line)
+    check_mechanism(noise_multiplier=entry["noise_multiplier"], sample_rate=entry["sample_rate"], steps=entry["steps"])
+    if entry.get("mode") not in ("sample", "client"):
+        raise ValueError(f"mode {entry.get('mode')!r}")
+    return entry
+
+
+def _cut_torn_tail(fd: int, path: Path) -> int:
+    """The file's size once it ends with a line end: a line torn by a crash mid-append (it never left the
+    cluster) is cut off, a whole entry that lacks only its line end (a hand-restored file) is ended. Appended
+    after either, the next release would be glued to it and the file read as damaged."""
+    size = os.fstat(fd).st_size
+    tail = os.pread(fd, min(size, TAIL_BYTES), size - min(size, TAIL_BYTES))
+    if not tail or tail.endswith(b"\n"):
+        return size
+    cut = tail.rfind(b"\n")
+    if cut < 0 and len(tail) < size:
+        raise LedgerError(f"privacy ledger '{path}' ends in over {TAIL_BYTES} bytes without a line end; restore it "
+                          "from a backup before the trainer releases anything again")
+    try:
+        whole = bool(_parse(tail[cut + 1:]))  # `_read` counts it as an entry: keep it
+    except (ValueError, KeyError, TypeError):
+        whole = False
+    if whole:
+        os.write(fd, b"\n")
+    else:
+        os.ftruncate(fd, size - len(tail) + cut + 1)
+    os.fsync(fd)
+    return os.fstat(fd).st_size
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a new file's entry in `folder` durable (its contents are fsynced on their own)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class ClusterLedger:
@@ -49,11 +93,7 @@ class ClusterLedger:
             if not line.strip():
                 continue
             try:
-                entry = json.loads(line)
-                check_mechanism(noise_multiplier=entry["noise_multiplier"], sample_rate=entry["sample_rate"],
-                                steps=entry["steps"])
-                if entry.get("mode") not in ("sample", "client"):
-                    raise ValueError(f"mode {entry.get('mode')!r}")
+                entry = _parse(line)
             except (ValueError, KeyError, TypeError) as err:
                 if number == len(lines) and not raw.endswith(b"\n"):
                     break  # a line torn by a crash while it was written: that release never left
@@ -66,26 +106,44 @@ class ClusterLedger:
 
     # -- recording -------------------------------------------------------------------------------
     def record(self, *, federation: str, round: int, mode: str, noise_multiplier: float, sample_rate: float,
-               steps: int, delta: float) -> dict[str, Any]:
-        """Append one release and make it durable before returning (call before the release leaves)."""
+               steps: int, delta: float, no_budget: bool = False) -> dict[str, Any]:
+        """Append one release and make it durable before returning (call before the release leaves). `no_budget`:
+        the cluster's policy set no budget (mode 'off'), so it ran what the server asked with no cap of its own."""
         if mode not in ("sample", "client"):
             raise ValueError(f"ledger mode must be 'sample' or 'client', got {mode!r}")
         sigma, q, k = check_mechanism(noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps)
         entry = {"v": FORMAT, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "federation": str(federation),
                  "round": int(round), "mode": mode, "noise_multiplier": sigma, "sample_rate": q, "steps": k,
-                 "delta": float(delta), "accountant": self.accountant}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        line = (json.dumps(entry) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                 "delta": float(delta), "accountant": self.accountant, **({"no_budget": True} if no_budget else {})}
         try:
-            written = os.write(fd, line)
-            if written != len(line):
-                raise LedgerError(f"could not append to the privacy ledger '{self.path}' (disk full?)")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            self._append((json.dumps(entry) + "\n").encode())
+        except OSError as err:
+            raise LedgerError(f"could not append to the privacy ledger '{self.path}' ({err.strerror or err}); nothing "
+                              "was recorded: free disk space or fix the state folder's permissions") from None
         self._entries.append(entry)
         return entry
+
+    def _append(self, line: bytes) -> None:
+        """Write one whole line and make it durable (file and, when new, its folder entry), or leave the file as it
+        was: a failed append is cut off again, so no torn line ever sits before a later one."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        created = not self.path.exists()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            start = _cut_torn_tail(fd, self.path)
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            except OSError:
+                with contextlib.suppress(OSError):  # if this fails too, the next append cuts the torn tail
+                    os.ftruncate(fd, start)
+                raise
+        finally:
+            os.close(fd)
+        if created:
+            _fsync_dir(self.path.parent)
 
     # -- queries ---------------------------------------------------------------------------------
     def entries(self, *, mode: str | None = None, federation: str | None = None) -> list[dict[str, Any]]:

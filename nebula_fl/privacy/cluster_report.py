@@ -6,7 +6,8 @@ at the policy's δ, for every federation this data was ever trained in. It write
 ``privacy.png`` into STATE_DIR, the names a run folder's report has (each whole or not at all).
 
 Each row: ``steps`` is what the release alone accounted (DP-SGD steps, or 1 noised update), ``steps_total``
-the total so far; ``epsilon`` the total ε so far, ``epsilon_spent`` what the release alone added.
+the total so far; ``epsilon`` the total ε so far, ``epsilon_spent`` what the release alone added; ``no_budget``
+that the cluster's policy set no budget when it made it (mode 'off': it ran whatever DP the server asked).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from nebula_fl.server.run_folder import write_json
 
 REPORT_JSON = "privacy.json"
 REPORT_PNG = "privacy.png"
+NO_BUDGET = ("no budget: the policy was 'off', so this cluster ran whatever differential privacy the server asked, "
+             "with no ε cap of its own")
 
 
 def is_cluster_state(path: Path) -> bool:
@@ -55,13 +58,14 @@ def build_cluster_report(state_dir: str | Path, *, num_examples: int | None = No
                          "round": e["round"], "time": e.get("time"),
                          "noise_multiplier": e["noise_multiplier"], "sample_rate": e["sample_rate"],
                          "steps": e["steps"], "steps_total": total, "epsilon_spent": max(eps - before, 0.0),
-                         "epsilon": eps})
+                         "epsilon": eps, "no_budget": e.get("no_budget") is True})
             before = eps
         final = rows[-1]["epsilon"]
         budget = policy.budget if policy.mode == mode else None
         modes[mode] = {"delta": at, "epsilon": final, "max_epsilon": budget,
                        "within_budget": None if budget is None else final <= budget,
                        "releases": len(rows), "steps_total": total,
+                       "no_budget_releases": sum(row["no_budget"] for row in rows),
                        "federations": sorted({r["federation"] for r in rows}), "rows": rows}
     ok = all(m["within_budget"] is not False for m in modes.values())
     return {"state_dir": str(path), "policy": policy.to_dict(), "accountant": ledger.accountant, "ok": ok,
@@ -103,6 +107,9 @@ def figure_of(report: dict[str, Any]) -> plot.Figure:
         caption.append(f"Recomputed from this cluster's own ledger by {how}: {what}.")
     if any(s.budget is not None for s in series):
         caption.append("The red dashed line is this cluster's budget: it refuses any release that would pass it.")
+    unbudgeted = sum(section["no_budget_releases"] for section in modes.values())
+    if unbudgeted:
+        caption.append(f"{unbudgeted} release(s) were made with {NO_BUDGET}.")
     x_name = "round" if one_federation else "release"
     for mode, s in zip(modes, series, strict=True):
         caption.append(plot.first_round_note([s], x_name=x_name, step="update" if mode == "client" else "step"))
@@ -128,10 +135,12 @@ def write_cluster_report(report: dict[str, Any]) -> tuple[Path, Path]:
     return json_path, png_path
 
 
-def release_headers(mode: str) -> tuple[str, ...]:
-    """The columns of a mode's table: "steps" is the release's own, "steps total" the total so far."""
+def release_headers(mode: str, *, notes: bool = False) -> tuple[str, ...]:
+    """The columns of a mode's table: "steps" is the release's own, "steps total" the total so far; `notes`: a
+    last column marks the releases made with no budget."""
     steps = "steps" if mode == "sample" else "updates"
-    return ("federation", "round", "σ", "q", steps, f"{steps} total", "ε spent", "ε total")
+    return ("federation", "round", "σ", "q", steps, f"{steps} total", "ε spent", "ε total") + (
+        ("note",) if notes else ())
 
 
 def print_cluster_report(console: Console, report: dict[str, Any]) -> None:
@@ -140,11 +149,15 @@ def print_cluster_report(console: Console, report: dict[str, Any]) -> None:
         console.print("no release recorded: this cluster's data has spent no privacy")
     for mode, section in report["modes"].items():
         budget = "no budget" if section["max_epsilon"] is None else f"budget ε ≤ {section['max_epsilon']:g}"
+        notes = section["no_budget_releases"] > 0
         rows = [(row["federation"], str(row["round"]), f"{row['noise_multiplier']:.4g}", f"{row['sample_rate']:.4g}",
                  str(row["steps"]), str(row["steps_total"]), f"{row['epsilon_spent']:.4f}", f"{row['epsilon']:.4f}")
+                + (("no budget" if row["no_budget"] else "",) if notes else ())
                 for row in section["rows"]]
         console.print(table(f"{mode}-level releases, {plot.UNIT[mode]} ({report['accountant']} at "
-                            f"δ = {section['delta']:g}, {budget})", release_headers(mode), rows))
+                            f"δ = {section['delta']:g}, {budget})", release_headers(mode, notes=notes), rows))
+        if notes:
+            console.print(f"{mode}: {section['no_budget_releases']} release(s) with {NO_BUDGET}")
         verdict = "" if section["within_budget"] is None else (
             " (within budget)" if section["within_budget"] else " (BUDGET EXCEEDED)")
         console.print(f"{mode}: ε = {section['epsilon']:.4f} over {section['releases']} release(s) in "

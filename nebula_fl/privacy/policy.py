@@ -67,7 +67,8 @@ class PrivacyPolicy:
     """What this cluster's operator allows to leave it, whatever the server asks."""
 
     mode: str = "off"
-    """'off' (no requirement: any request is admitted), 'sample' (DP-SGD per example) or 'client' (the update)."""
+    """'off' (no requirement: any request is admitted, a DP one with no ε cap, reported as "no budget"),
+    'sample' (DP-SGD per example) or 'client' (the update)."""
     min_noise_multiplier: float | None = None
     """The lowest noise multiplier σ this cluster trains with; or set `target_epsilon` instead."""
     target_epsilon: float | None = None

@@ -9,7 +9,8 @@ Inputs, per round line of ``metrics.jsonl``:
   the ledger's life), ``epsilon_federation`` (this federation's alone), ``delta``, ``noise_multiplier``,
   ``sample_rate``, ``max_grad_norm``, ``accountant``, ``privacy_mode`` ("sample": DP-SGD steps per example;
   "client": one noised update per round, per cluster data set), optionally ``max_epsilon``,
-  ``privacy_refused`` (bool or 0/1) and ``privacy_reason``;
+  ``privacy_refused`` (bool or 0/1), ``privacy_reason`` and ``privacy_no_budget`` (1: the cluster's own policy
+  is 'off', so it runs whatever DP the server asks with no ε cap of its own; said under secure aggregation too);
 - ``privacy`` (client-level DP, the server's ledger): ``mode`` = "client", ``epsilon``, ``delta``,
   ``noise_multiplier``, ``sample_rate``, ``rounds``, ``accountant``.
 
@@ -37,7 +38,8 @@ from nebula_fl.server.run_folder import CONFIG, METRICS, SUMMARY, RunFolder, wri
 
 REPORT_JSON = "privacy.json"
 REPORT_PNG = "privacy.png"
-CLUSTER_FIELDS = ("epsilon", "dp_steps", "privacy_refused")
+CLUSTER_FIELDS = ("epsilon", "dp_steps", "privacy_refused", "privacy_no_budget")
+NO_BUDGET = "its policy is 'off': it runs whatever differential privacy the server asks, with no ε cap of its own"
 
 
 # -- reading -------------------------------------------------------------------------------------
@@ -85,6 +87,7 @@ def _cluster_row(rnd: int, entry: dict[str, Any]) -> dict[str, Any]:
         "accountant": entry.get("accountant") if isinstance(entry.get("accountant"), str) else None,
         "refused": bool(entry.get("privacy_refused") or False),
         "reason": reason if isinstance(reason, str) else None,
+        "no_budget": bool(entry.get("privacy_no_budget") or False),
         "_federation_epsilon": _number(entry.get("epsilon_federation")),
     }
 
@@ -134,8 +137,12 @@ def _verdict(cid: str, section: dict[str, Any]) -> str:
         head = f"cluster {cid}: final ε {shown} EXCEEDS its budget ε ≤ {budget:g}"
     elif budget is not None:
         head = f"cluster {cid}: final ε {shown} within its budget ε ≤ {budget:g}"
+    elif section["no_budget"]:
+        head = f"cluster {cid}: final ε {shown}, NO BUDGET"
     else:
         head = f"cluster {cid}: final ε {shown} (no budget set)"
+    if section["no_budget"]:
+        head += f" ({NO_BUDGET}" + ("" if budget is None else ", only the one the server asks") + ")"
     if section["stopped_round"] is not None:
         head += f"; stopped at round {section['stopped_round']}"
         if section["stop_reason"]:
@@ -211,6 +218,7 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
         within = None if budget is None or final["epsilon"] is None else final["epsilon"] <= budget
         ok = ok and within is not False
         section = {"mode": modes[cid], "final": final, "max_epsilon": budget, "within_budget": within,
+                   "no_budget": any(row["no_budget"] for row in cluster_rows),
                    "stopped_round": stopped_round, "stop_reason": reason, "refused_rounds": refused,
                    "rounds": cluster_rows}
         clusters_out[cid] = section
@@ -281,6 +289,10 @@ def figure_of(report: dict[str, Any]) -> plot.Figure:
                        "of the cluster's examples.")
     if any(s.budget is not None for s in series):
         caption.append("The red dashed line is the budget: a cluster refuses any round that would carry its ε past it.")
+    unbudgeted = [cid for cid, section in clusters.items() if section.get("no_budget")]
+    if unbudgeted:
+        caption.append(f"No budget: cluster {', '.join(unbudgeted)} set none; a cluster whose policy is 'off' runs "
+                       "whatever differential privacy the server asks, with no ε cap of its own.")
     caption.append(plot.first_round_note(series, step="update" if mode == "client" else "step"))
     if any(section["rounds"] and section["rounds"][0]["epsilon_spent"] is None
            and section["rounds"][0]["epsilon"] is not None for section in clusters.values()):
@@ -330,6 +342,8 @@ def tables(report: dict[str, Any]) -> list[Table]:
     for cid, section in report["clusters"].items():
         final, mode = section["final"], section["mode"]
         budget = "no budget" if section["max_epsilon"] is None else f"budget ε ≤ {section['max_epsilon']:g}"
+        if section.get("no_budget"):
+            budget += ", none of its own: policy 'off'" if section["max_epsilon"] is not None else " (policy 'off')"
         steps, steps_total = STEP_HEADERS[mode]
         notes = any(row["refused"] for row in section["rounds"])
         headers = ("round", "ε spent", "ε total", "δ", "σ", "q", steps, steps_total, "clip") + (

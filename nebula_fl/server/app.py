@@ -31,10 +31,11 @@ from nebula_fl.server.timeline import cluster_phases, round_timeline, utilisatio
 from nebula_fl.server.wan_counters import WanCounters
 from nebula_fl.strategies import make_strategy
 from nebula_fl.strategies.adapter_strategy import to_numpy, to_record
-from nebula_fl.strategies.base import NebulaStrategy, RoundOutcome
+from nebula_fl.strategies.base import NebulaStrategy, RoundFinishFailed, RoundOutcome
 from nebula_fl.strategies.compression import CompressionWrapper
 from nebula_fl.strategies.privacy import PrivacyWrapper
 from nebula_fl.strategies.secure_aggregation import SecAggWrapper
+from nebula_fl.strategies.staleness import stale_step_warning
 from nebula_fl.wan.profile import parse_profile
 
 # Keys that may differ between a run and its resumption; everything else must match.
@@ -197,6 +198,9 @@ class ServerRun:
         log(INFO, "run folder: %s", self.folder.path)
         evaluator = ServerEvaluator(cfg)
         log(INFO, "server evaluation on %s", evaluator.device)
+        if warning := stale_step_warning(outer=cfg.outer.outer_optimizer, overlap=cfg.train.round_overlap,
+                                         secure=cfg.secagg.enabled):
+            log(WARNING, "%s", warning)
         self.metric = evaluator.task.metric
         self.higher_is_better = evaluator.task.higher_is_better
         initial = evaluator.initial_adapter()
@@ -235,6 +239,9 @@ class ServerRun:
             overlap_evaluation=cfg.federation.eval_overlap,
             on_round_aggregated=self._measure_round,
         )
+        rounds = self.folder.rounds()
+        if not any(_aggregated(line) for line in rounds):
+            raise NebulaError(self._nothing_aggregated(rounds))
         final = self.folder.load_checkpoint()
         if final is not None and evaluator.task.exchange == "full":  # the whole model, the exchanged weights set
             self.folder.save_adapter(evaluator.whole_model(final[1]), name=MODEL)
@@ -243,6 +250,20 @@ class ServerRun:
         if self.strategy.stop_reason:
             self.folder.update_summary(stopped_early=self.strategy.stop_reason)
         self._finish("completed")
+
+    def _nothing_aggregated(self, rounds: list[dict[str, Any]]) -> str:
+        """Why the run failed though its loop ended cleanly: no round changed the global adapter."""
+        why = [self.strategy.stop_reason] if self.strategy.stop_reason else []
+        last = rounds[-1] if rounds else {}
+        for cid, cluster in sorted((last.get("clusters") or {}).items()):
+            if cluster.get("privacy_refused"):
+                why.append(f"cluster {cid} refused: {cluster.get('privacy_reason') or 'its privacy policy'}")
+        why += [f"cluster {cid}: {reason}" for cid, reason in sorted((last.get("rejected") or {}).items())]
+        if last.get("skipped") and not why:
+            why.append(str(last["skipped"]))
+        return (f"no round was aggregated in {len(rounds)} round(s), so the run produced no adapter "
+                f"({'; '.join(why) or 'no cluster sent a usable update'}); check the clusters' logs and privacy "
+                f"policies, then start a new run")
 
     # -- per round -------------------------------------------------------------------------------
     def _measure_round(self, outcome: RoundOutcome) -> None:
@@ -313,15 +334,20 @@ class ServerRun:
             if clusters[cid].get("node_id") == node_id and traffic.error is None:  # the node its record names
                 timed[cid] = cluster_phases(pushed_at=traffic.pushed_at, arrived_at=traffic.arrived_at,
                                             metrics=traffic.metrics, wire_s=wan.get(cid, {}).get("wan_wire_seconds"))
+        if not outcome.trained:  # a flush after the loop: it applies what a round held, no cluster trained
+            line["trained"] = False
         # The checkpoint holds this line, so a crash between the two never loses the record of a checkpointed round.
         checkpointing = time.monotonic()
-        self.folder.save_checkpoint(
-            round=outcome.round,
-            adapter=to_numpy(outcome.arrays),
-            state={"strategy": outcome.strategy_state if outcome.strategy_state is not None
-                   else self.strategy.state_dict(), "federation_id": self.federation_id,
-                   "wall_seconds": elapsed, "initial_evaluation": self.initial, "line": line},
-        )
+        try:
+            self.folder.save_checkpoint(
+                round=outcome.round,
+                adapter=to_numpy(outcome.arrays),
+                state={"strategy": outcome.strategy_state if outcome.strategy_state is not None
+                       else self.strategy.state_dict(), "federation_id": self.federation_id,
+                       "wall_seconds": elapsed, "initial_evaluation": self.initial, "line": line},
+            )
+        except Exception as err:
+            raise RoundFinishFailed(outcome.round, "checkpoint", err) from err
         phases = {**outcome.phases, "checkpoint_s": time.monotonic() - checkpointing}
         line["timeline"] = round_timeline(seconds=outcome.seconds, phases=phases, clusters=timed)
         self.folder.append_round(line)
@@ -393,6 +419,7 @@ class ServerRun:
             federation_id=getattr(self, "federation_id", None),
         )
         summary = self.folder.update_summary(
+            rounds_not_applied=_not_applied(rounds, status=status),
             skipped_rounds=[r["round"] for r in rounds if r.get("skipped")],
             drops=[{"round": r["round"], "cluster": cid, "reason": why} for r in rounds
                    for cid, why in (r.get("rejected") or {}).items()],
@@ -401,6 +428,23 @@ class ServerRun:
         if isinstance(strategy, PrivacyWrapper) and (self.cfg.privacy.mode != "off" or strategy.exhausted):
             summary = self.folder.update_summary(privacy=strategy.report())
         log(INFO, "run %s: %s after %d round(s)", self.folder.path, summary["status"], done)
+
+
+def _aggregated(line: dict[str, Any]) -> bool:
+    """Whether a round's record changed the global adapter (not skipped, not pending, not refused by every cluster)."""
+    return not line.get("skipped") and (line.get("clusters_aggregated") or 0) > 0
+
+
+def _not_applied(rounds: list[dict[str, Any]], *, status: str) -> list[dict[str, Any]]:
+    """Rounds whose masked uploads never reached the global adapter, with the reason and the record that says so;
+    in a run that did not complete, also the round its last checkpoint still holds (a resume applies it)."""
+    out = [{**entry, "recorded_in": line["round"]} for line in rounds
+           for entry in (line.get("secagg") or {}).get("not_applied", [])]
+    held = (rounds[-1].get("secagg") or {}).get("held") if rounds else None
+    if held is not None and status != "completed":
+        out.append({"round": held, "reason": f"the run stopped ({status}) while its sum was held for the next round; "
+                    "`nebula-fl run --resume` unmasks it", "recorded_in": rounds[-1]["round"]})
+    return out
 
 
 def _mean(values) -> float | None:

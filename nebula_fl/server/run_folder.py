@@ -1,7 +1,9 @@
 """The run folder: config, per-round metrics, summary, checkpoints, final adapter and plot.
 
 Config, summary, checkpoints and the final adapter are written whole or not at all, and survive a power loss
-once written (temp file, fsync, rename, fsync of the folder: ``write_durably`` and ``fsync_dir``); metrics lines
+once written (temp file, fsync, rename, fsync of the folder: ``write_durably`` and ``fsync_dir``; JSON files each
+through a temp file of its own, since two processes write ``summary.json``: the ServerApp and the launcher, which
+also hold a lock while they read, change and write it, so neither loses the other's fields); metrics lines
 are appended and fsynced one by one, and a line cut short by a crash ends the usable history. ``summary.json`` says ``running``
 from the first moment and ``completed`` only after the last round's checkpoint and the final
 adapter are on disk, so a run that did not finish never claims to have. A round is complete once its
@@ -16,11 +18,15 @@ readers (jq, JavaScript, pandas' strict mode) refuse.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
+import secrets
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +81,31 @@ def dumps(obj: Any, **options: Any) -> str:
 
 def write_json(path: Path, obj: Any) -> None:
     """Write `obj` as `path` the way checkpoints are: a crash leaves the old file or the new one, never a torn one,
-    and the rename itself survives a power loss (summary.json's status is what says whether the run finished)."""
-    write_durably(path, (dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+    and the rename itself survives a power loss (summary.json's status is what says whether the run finished).
+    Each write has a temp file of its own: two writers at once never rename or remove each other's."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    try:
+        with tmp.open("xb") as handle:
+            handle.write((dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created if missing) across processes and threads: one read-change-write
+    at a time."""
+    with path.open("a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def read_json(path: Path) -> Any:
@@ -108,10 +136,11 @@ class RunFolder:
     def update_summary(self, **fields: Any) -> dict[str, Any]:
         if "status" in fields and fields["status"] not in STATUSES:
             raise ValueError(f"unknown status {fields['status']!r}")
-        summary = self.read_summary()
-        summary.update(fields)
-        summary["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        write_json(self.path / SUMMARY, summary)
+        with _locked(self.path / f".{SUMMARY}.lock"):  # the launcher writes it too
+            summary = self.read_summary()
+            summary.update(fields)
+            summary["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            write_json(self.path / SUMMARY, summary)
         return summary
 
     # -- metrics ---------------------------------------------------------------------------------

@@ -210,6 +210,9 @@ class AdapterStrategy(NebulaStrategy):
         self.current = to_numpy(arrays)
         round_config = ConfigRecord({**dict(config), **self.checked_client_config()})
         round_config["server-round"] = server_round
+        # the rounds the global holds: every round before this one was decided (applied or skipped); a wrapper that
+        # applies a round late (secure aggregation with round-overlap) lowers it (clients/overlap.py)
+        round_config["global-round"] = server_round - 1
         content = RecordDict({ARRAYS_KEY: arrays, CONFIG_KEY: round_config})
         log(INFO, "configure_train: %d cluster(s) sampled", len(nodes))
         return [Message(content=content, dst_node_id=n, message_type=MessageType.TRAIN) for n in nodes]

@@ -14,6 +14,10 @@ many skipped in a row end the run with the reasons. Which cluster a SuperNode se
 from replies and, when it matters (after a resume, or when a SuperNode appears mid-run), asked
 with one ``query`` message; a SuperNode replaced mid-round (restarted: a new node id for the same
 cluster) is dropped from the round at once instead of waited for until the round timeout.
+
+Stopping is part of it too: whatever a wrapper still holds when the loop ends, by its last round or by a stop
+(secure aggregation's held round under round-overlap), is flushed into one more record, numbered as the round
+that would have carried it (`trained` False), so the final adapter holds every round that was released.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from __future__ import annotations
 import copy
 import time
 from abc import abstractmethod
+from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from logging import ERROR, INFO, WARNING
 from typing import Any
@@ -69,6 +74,7 @@ class RoundOutcome:
     phases: dict[str, float] = field(default_factory=dict)  # the server's share of the round, seconds per phase
     strategy_state: dict[str, Any] | None = None  # state_dict() as it was when the round ended
     measured: dict[str, Any] = field(default_factory=dict)  # what on_round_aggregated read at the round's end
+    trained: bool = True  # False: no cluster trained; the record applies what was held (a flush after the loop)
 
 
 class NodeDirectory:
@@ -104,6 +110,20 @@ class NodeDirectory:
 
 class StopFederation(Exception):
     """Raised by a strategy when the run should end now, cleanly (e.g. every privacy budget is spent)."""
+
+
+FINISH_STEPS = ("evaluation", "record", "checkpoint")
+
+
+class RoundFinishFailed(NebulaError):
+    """A round's finish (its evaluation, record or checkpoint) failed: the run ends, naming the round and the step.
+    A round callback raises it itself to name a step other than "record" (the server's checkpoint)."""
+
+    def __init__(self, server_round: int, step: str, cause: BaseException) -> None:
+        if step not in FINISH_STEPS:
+            raise ValueError(f"unknown finish step {step!r}; use one of {', '.join(FINISH_STEPS)}")
+        super().__init__(f"round {server_round}'s {step} failed: {type(cause).__name__}: {cause}")
+        self.round, self.step = server_round, step
 
 
 RoundCallback = Callable[[RoundOutcome], None]
@@ -175,6 +195,25 @@ class NebulaStrategy(Strategy):
         inner = getattr(self, "inner", None)
         if isinstance(inner, NebulaStrategy):
             inner.note_last_round(server_round)
+
+    def held_rounds(self) -> list[int]:
+        """Rounds trained whose aggregate is held for a later one (secure aggregation with round-overlap): not yet
+        in the global adapter, nor released to the server; a budget check counts them as still to come."""
+        inner = getattr(self, "inner", None)
+        return inner.held_rounds() if isinstance(inner, NebulaStrategy) else []
+
+    def released_rounds(self) -> list[int] | None:
+        """The rounds whose sum the last aggregation (or flush) released to the server, where a wrapper hides the
+        updates until then (secure aggregation); None: every update that reached the server was released."""
+        inner = getattr(self, "inner", None)
+        return inner.released_rounds() if isinstance(inner, NebulaStrategy) else None
+
+    def flush(self, grid: Grid, arrays: ArrayRecord) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Apply what `held_rounds` says is held, once no round is left to carry it (the loop ended or stopped):
+        (the new global adapter, or None when it could not be applied; the aggregate's metrics). `arrays` is the
+        global adapter as the loop holds it."""
+        inner = getattr(self, "inner", None)
+        return inner.flush(grid, arrays) if isinstance(inner, NebulaStrategy) else (None, None)
 
     def round_notes(self) -> dict[str, dict[str, Any]]:
         """Per-cluster decisions of this round worth recording (e.g. an adaptive codec setting, or what the
@@ -333,9 +372,16 @@ class NebulaStrategy(Strategy):
         the checkpoint) runs on one background thread while the next round is sent and trained, and with
         `overlap_evaluation` the round's server-side evaluation does too: they leave the critical path.
         Rounds are recorded in order; the strategy's state is copied when the round ends, so what the
-        callback checkpoints is that round's state even while the next one changes it. A round whose finish
-        fails is never lost: no later round is recorded after it, and the loop raises its exception at the
-        next round boundary (or when it waits for the last record).
+        callback checkpoints is that round's state even while the next one changes it.
+
+        Training runs at most one round ahead of the records: before round r starts, round r-2's finish has
+        ended (so at most one round's finish is in flight while the next trains). A finish that failed is
+        raised there (or when the loop waits for the last records) as RoundFinishFailed, naming the round and
+        the step (evaluation, record or checkpoint), and no later round is recorded after it.
+
+        When the loop ends, by its last round or a StopFederation, with a round still held (`held_rounds`), that
+        round is flushed (`flush`) into one more outcome, numbered after it and with `trained` False, so the
+        final adapter holds every round that was released, or its record says why one was not.
         """
         if not 1 <= first_round <= num_rounds + 1:
             raise ValueError(f"first_round must be in 1..{num_rounds + 1}, got {first_round}")
@@ -347,104 +393,186 @@ class NebulaStrategy(Strategy):
             result.evaluate_metrics_serverapp[0] = res
         skipped_in_a_row: list[str] = []
         self.message_ttl = timeout
-        # one worker: rounds are recorded in order, each after the one before
-        finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-finisher")
-        failed: list[BaseException] = []  # the first finish that failed; the loop raises it, nothing is recorded after
-
-        def raise_if_failed() -> None:
-            if failed:
-                raise failed[0]
-
-        def evaluate(outcome: RoundOutcome) -> None:
-            if outcome.skipped is None and evaluate_fn is not None:
-                t = time.monotonic()
-                outcome.eval_metrics = evaluate_fn(outcome.round, outcome.arrays)
-                outcome.phases["evaluate_s"] = time.monotonic() - t
-                if outcome.eval_metrics is not None:
-                    result.evaluate_metrics_serverapp[outcome.round] = outcome.eval_metrics
-
-        def finish(outcome: RoundOutcome, started: float, submitted: float) -> None:
-            """Evaluate the round's adapter (when overlapped; else it was), then hand the outcome to the callback.
-            A round's seconds leave out the time its finish queued behind the previous round's. A failure is kept
-            for the loop to raise (a future's exception is only seen if asked for), and skips every later round's
-            finish, so metrics.jsonl never holds a round after one that is missing."""
-            if failed:
-                return
-            try:
-                queued = time.monotonic() - submitted
-                outcome.phases["finish_queued_s"] = queued
-                if overlap_evaluation:
-                    evaluate(outcome)
-                    outcome.seconds = time.monotonic() - started - queued
-                if on_round_end:
-                    on_round_end(outcome)
-            except BaseException as err:
-                err.add_note(f"raised while finishing round {outcome.round} (its evaluation, record or checkpoint)")
-                failed.append(err)
-
+        finisher = _RoundFinisher(result=result, evaluate_fn=evaluate_fn, on_round_end=on_round_end,
+                                  on_round_aggregated=on_round_aggregated, overlap_evaluation=overlap_evaluation)
         try:
             for rnd in range(first_round, num_rounds + 1):
-                raise_if_failed()  # a round whose record failed ends the run here, before another is trained
+                finisher.settle(in_flight=1)  # round rnd-2's finish has ended; a failed one ends the run here
                 started = time.monotonic()
-                log(INFO, "[ROUND %d/%d]", rnd, num_rounds)
-                self.rejected = {}
-                if self.needs_identity():
-                    self.identify(grid, timeout=min(timeout, IDENTIFY_TIMEOUT_S), poll_interval=poll_interval)
                 try:
-                    messages = self.configure_train(rnd, arrays, train_config, grid)
+                    outcome, reasons = self._train_round(grid, rnd, num_rounds, arrays, result, timeout=timeout,
+                                                         poll_interval=poll_interval, train_config=train_config,
+                                                         evaluate_config=evaluate_config)
                 except StopFederation as stop:
                     self.stop_reason = str(stop)
                     log(INFO, "the run ends before round %d: %s", rnd, stop)
                     break
-                configured = time.monotonic()
-                replies, traffic = self.exchange(grid, messages, timeout=timeout, poll_interval=poll_interval)
-                exchanged = time.monotonic()
-                new_arrays, train_metrics = self.aggregate_train(rnd, replies)
-                self.observe_traffic(traffic)
-                phases = {"configure_s": configured - started, "push_s": self.last_push_s,
-                          "exchange_s": exchanged - configured, "aggregate_s": time.monotonic() - exchanged}
-                skipped = None
-                if new_arrays is None:
-                    reasons = "; ".join(
-                        f"cluster {self.directory.get(n) or f'of node {n}'}: "
-                        f"{self.rejected.get(n) or t.error or 'usable update'}" for n, t in traffic.items()
-                    ) or "no cluster was sent the round"
-                    metrics = dict(train_metrics or {})
-                    usable = int(metrics.get("clusters-usable", metrics.get("clusters", 0)))
-                    skipped = (f"{usable} usable update(s), fewer than the {self.min_updates} a round needs "
-                               f"(min-clusters); the global adapter stays ({reasons})")
-                    log(WARNING, "round %d skipped: %s", rnd, skipped)
+                if reasons is None:
+                    skipped_in_a_row, arrays = [], outcome.arrays
+                else:
                     skipped_in_a_row.append(f"round {rnd}: {reasons}")
                     if len(skipped_in_a_row) >= MAX_SKIPPED_IN_A_ROW:
                         raise NebulaError(
                             f"{len(skipped_in_a_row)} rounds in a row had too few usable updates "
                             f"({' | '.join(skipped_in_a_row)}); check the clusters' logs, or lower min-clusters"
                         )
-                else:
-                    skipped_in_a_row = []
-                    arrays = result.arrays = new_arrays
-                    if train_metrics is not None:
-                        result.train_metrics_clientapp[rnd] = train_metrics
-                    eval_messages = list(self.configure_evaluate(rnd, arrays, evaluate_config, grid))
-                    if eval_messages:
-                        eval_replies, _ = self.exchange(grid, eval_messages, timeout=timeout,
-                                                        poll_interval=poll_interval)
-                        if (agg := self.aggregate_evaluate(rnd, eval_replies)) is not None:
-                            result.evaluate_metrics_clientapp[rnd] = agg
-                outcome = RoundOutcome(rnd, arrays, train_metrics, None, traffic, dict(self.rejected), 0.0,
-                                       self.round_notes(), self.round_summary(), skipped, phases=phases,
-                                       strategy_state=copy.deepcopy(self.state_dict()))
-                if on_round_aggregated:
-                    on_round_aggregated(outcome)
-                if not overlap_evaluation:
-                    evaluate(outcome)
-                    outcome.seconds = time.monotonic() - started
-                finisher.submit(finish, outcome, started, time.monotonic())
-            finisher.shutdown(wait=True)  # the last rounds' records
-            raise_if_failed()
+                finisher.hand_over(outcome, started)
+            finisher.settle(in_flight=1)
+            started = time.monotonic()
+            if (flushed := self._flush_round(grid, arrays, result, timeout=timeout,
+                                             poll_interval=poll_interval)) is not None:
+                finisher.hand_over(flushed, started)
+            finisher.close(cancel=False)  # the last rounds' records
+            finisher.settle(in_flight=0)
         except BaseException as err:
-            finisher.shutdown(wait=True, cancel_futures=True)  # an interrupted run still records the round it was at
-            if failed and failed[0] is not err:  # the run fails for `err`; the lost record is said, not dropped
-                log(ERROR, "the run also failed to finish a round: %s: %s", type(failed[0]).__name__, failed[0])
+            finisher.close(cancel=True)  # an interrupted run still records the round it was at
+            if finisher.failed and finisher.failed[0] is not err:  # the run fails for `err`; the lost record is said
+                log(ERROR, "the run also failed to finish a round: %s: %s", type(finisher.failed[0]).__name__,
+                    finisher.failed[0])
             raise
         return result
+
+    def _train_round(self, grid: Grid, rnd: int, num_rounds: int, arrays: ArrayRecord, result: Result, *,
+                     timeout: float, poll_interval: float, train_config: ConfigRecord,
+                     evaluate_config: ConfigRecord) -> tuple[RoundOutcome, str | None]:
+        """One round: configure, exchange, aggregate (and the clusters' evaluation, if any). Returns its outcome and,
+        when it was skipped, the reasons per cluster; StopFederation when the strategy ends the run instead."""
+        started = time.monotonic()
+        log(INFO, "[ROUND %d/%d]", rnd, num_rounds)
+        self.rejected = {}
+        if self.needs_identity():
+            self.identify(grid, timeout=min(timeout, IDENTIFY_TIMEOUT_S), poll_interval=poll_interval)
+        messages = self.configure_train(rnd, arrays, train_config, grid)
+        configured = time.monotonic()
+        replies, traffic = self.exchange(grid, messages, timeout=timeout, poll_interval=poll_interval)
+        exchanged = time.monotonic()
+        new_arrays, train_metrics = self.aggregate_train(rnd, replies)
+        self.observe_traffic(traffic)
+        phases = {"configure_s": configured - started, "push_s": self.last_push_s,
+                  "exchange_s": exchanged - configured, "aggregate_s": time.monotonic() - exchanged}
+        skipped = reasons = None
+        if new_arrays is None:
+            reasons = "; ".join(
+                f"cluster {self.directory.get(n) or f'of node {n}'}: "
+                f"{self.rejected.get(n) or t.error or 'usable update'}" for n, t in traffic.items()
+            ) or "no cluster was sent the round"
+            metrics = dict(train_metrics or {})
+            usable = int(metrics.get("clusters-usable", metrics.get("clusters", 0)))
+            skipped = (f"{usable} usable update(s), fewer than the {self.min_updates} a round needs "
+                       f"(min-clusters); the global adapter stays ({reasons})")
+            log(WARNING, "round %d skipped: %s", rnd, skipped)
+        else:
+            arrays = result.arrays = new_arrays
+            if train_metrics is not None:
+                result.train_metrics_clientapp[rnd] = train_metrics
+            eval_messages = list(self.configure_evaluate(rnd, arrays, evaluate_config, grid))
+            if eval_messages:
+                eval_replies, _ = self.exchange(grid, eval_messages, timeout=timeout, poll_interval=poll_interval)
+                if (agg := self.aggregate_evaluate(rnd, eval_replies)) is not None:
+                    result.evaluate_metrics_clientapp[rnd] = agg
+        outcome = RoundOutcome(rnd, arrays, train_metrics, None, traffic, dict(self.rejected), 0.0,
+                               self.round_notes(), self.round_summary(), skipped, phases=phases,
+                               strategy_state=copy.deepcopy(self.state_dict()))
+        return outcome, reasons
+
+    def _flush_round(self, grid: Grid, arrays: ArrayRecord, result: Result, *, timeout: float,
+                     poll_interval: float) -> RoundOutcome | None:
+        """The outcome of flushing what is still held when the loop ends (None when nothing is): numbered after the
+        last held round, as the round that would have carried it, `trained` False; skipped, saying why, when the
+        held sum could not be applied."""
+        held = self.held_rounds()
+        if not held:
+            return None
+        rnd, started = max(held) + 1, time.monotonic()
+        log(INFO, "[FLUSH] round(s) %s held when the loop ended: applied now, recorded as round %d",
+            ", ".join(map(str, held)), rnd)
+        self.rejected = {}
+        if self.needs_identity():  # after a resume with no round left, no node is known yet
+            self.identify(grid, timeout=min(timeout, IDENTIFY_TIMEOUT_S), poll_interval=poll_interval)
+        new_arrays, metrics = self.flush(grid, arrays)
+        traffic: dict[int, NodeTraffic] = {}
+        self.observe_traffic(traffic)  # the flush's own trips
+        skipped = None
+        if new_arrays is None:
+            skipped = (f"the held round(s) {', '.join(map(str, held))} could not be applied (see this record's "
+                       "not_applied); the global adapter stays")
+            log(WARNING, "round %d: %s", rnd, skipped)
+        else:
+            arrays = result.arrays = new_arrays
+            if metrics is not None:
+                result.train_metrics_clientapp[rnd] = metrics
+        return RoundOutcome(rnd, arrays, metrics, None, traffic, dict(self.rejected), 0.0, {}, self.round_summary(),
+                            skipped, phases={"flush_s": time.monotonic() - started},
+                            strategy_state=copy.deepcopy(self.state_dict()), trained=False)
+
+
+class _RoundFinisher:
+    """Hands each round's outcome on: `on_round_aggregated` (and the evaluation, unless overlapped) on the loop's
+    thread, then the evaluation (when overlapped), record and checkpoint on one background thread, in round order.
+    `settle` bounds how far training runs ahead of the records and raises the first finish that failed."""
+
+    def __init__(self, *, result: Result, evaluate_fn: EvaluateFn | None, on_round_end: RoundCallback | None,
+                 on_round_aggregated: RoundCallback | None, overlap_evaluation: bool) -> None:
+        self.result, self.evaluate_fn, self.on_round_end = result, evaluate_fn, on_round_end
+        self.on_round_aggregated, self.overlap_evaluation = on_round_aggregated, overlap_evaluation
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-finisher")  # rounds in order
+        self.in_flight: deque[Future[None]] = deque()
+        self.failed: list[BaseException] = []  # the first finish that failed; nothing is recorded after it
+
+    def settle(self, *, in_flight: int) -> None:
+        """Wait until at most `in_flight` finishes are still queued or running; raise the first that failed."""
+        while len(self.in_flight) > in_flight:
+            self.in_flight.popleft().result()
+        if self.failed:
+            raise self.failed[0]
+
+    def hand_over(self, outcome: RoundOutcome, started: float) -> None:
+        """The round is aggregated: measure it now, evaluate it unless overlapped, queue its finish."""
+        if self.on_round_aggregated:
+            self.on_round_aggregated(outcome)
+        if not self.overlap_evaluation:
+            self._evaluate(outcome)
+            outcome.seconds = time.monotonic() - started
+        self.in_flight.append(self.pool.submit(self._finish, outcome, started, time.monotonic()))
+
+    def close(self, *, cancel: bool) -> None:
+        """Wait for the finish running (an interrupted run still records the round it was at); `cancel` drops the
+        queued ones."""
+        self.pool.shutdown(wait=True, cancel_futures=cancel)
+
+    def _evaluate(self, outcome: RoundOutcome) -> None:
+        if outcome.skipped is not None or self.evaluate_fn is None:
+            return
+        t = time.monotonic()
+        try:
+            outcome.eval_metrics = self.evaluate_fn(outcome.round, outcome.arrays)
+        except Exception as err:
+            raise RoundFinishFailed(outcome.round, "evaluation", err) from err
+        outcome.phases["evaluate_s"] = time.monotonic() - t
+        if outcome.eval_metrics is not None:
+            self.result.evaluate_metrics_serverapp[outcome.round] = outcome.eval_metrics
+
+    def _finish(self, outcome: RoundOutcome, started: float, submitted: float) -> None:
+        """Evaluate the round's adapter (when overlapped; else it was), then hand the outcome to the callback.
+        A round's seconds leave out the time its finish queued behind the previous round's. A failure is kept
+        for the loop to raise (a future's exception is only seen if asked for), and skips every later round's
+        finish, so metrics.jsonl never holds a round after one that is missing."""
+        if self.failed:
+            return
+        try:
+            queued = time.monotonic() - submitted
+            outcome.phases["finish_queued_s"] = queued
+            if self.overlap_evaluation:
+                self._evaluate(outcome)
+                outcome.seconds = time.monotonic() - started - queued
+            if self.on_round_end:
+                self.on_round_end(outcome)
+        except RoundFinishFailed as err:
+            self.failed.append(err)
+        except Exception as err:
+            failure = RoundFinishFailed(outcome.round, "record", err)
+            failure.__cause__ = err
+            self.failed.append(failure)
+        except BaseException as err:
+            err.add_note(f"raised while finishing round {outcome.round} (its evaluation, record or checkpoint)")
+            self.failed.append(err)

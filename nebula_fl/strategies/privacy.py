@@ -14,6 +14,11 @@ aggregation (each update carries the full sigma C on its own, so even the server
 updates); with it the secure-aggregation wrapper asks for the threshold t, each cluster adds 1/t of
 the variance, and every sum the server can unmask (t or more updates) carries at least sigma C. Updates are averaged with equal weights: the sensitivity is C per cluster, whatever
 its size.
+
+The accountant counts what the server learned, when it learned it: without secure aggregation each round in
+which an update reached the server; with it each round whose sum was unmasked (`released_rounds`), so a round
+every cluster refused, or a held round never unmasked, is not counted, and a round held for round-overlap counts
+when its sum is. The budget checks count the held rounds (`held_rounds`) as still to come.
 """
 
 from __future__ import annotations
@@ -97,7 +102,8 @@ class PrivacyWrapper(NebulaStrategy):
         self.current = arrays
         self.notes = {}
         if self.server_ledger is not None and self.cfg.max_epsilon is not None:
-            after = self.server_ledger.epsilon_after(noise_multiplier=self.sigma, sample_rate=self.sample_rate, steps=1)
+            after = self.server_ledger.epsilon_after(noise_multiplier=self.sigma, sample_rate=self.sample_rate,
+                                                     steps=1 + len(self.inner.held_rounds()))
             if after > self.cfg.max_epsilon:
                 raise StopFederation(
                     f"the federation's client-level budget ε ≤ {self.cfg.max_epsilon} would be exceeded "
@@ -109,7 +115,7 @@ class PrivacyWrapper(NebulaStrategy):
             cfg["privacy-noise-shares"] = 1
         messages = [m for m in self.inner.configure_train(server_round, arrays, cfg, grid)
                     if self.directory.get(m.metadata.dst_node_id) not in self.exhausted]
-        if not messages:
+        if not messages and self._every_cluster_stopped(grid):  # else a wrapper aborted the round: it is skipped
             why = sorted({e.get("refusal") or "budget" for e in self.exhausted.values()})
             raise StopFederation(
                 "every cluster has stopped: "
@@ -117,6 +123,10 @@ class PrivacyWrapper(NebulaStrategy):
                                "policy": "its privacy policy refuses what the server asks"}.get(w, w) for w in why)
             )
         return messages
+
+    def _every_cluster_stopped(self, grid: Grid) -> bool:
+        live = [n for n in grid.get_node_ids() if n not in self.directory.retired]
+        return bool(self.exhausted) and all(self.directory.get(n) in self.exhausted for n in live)
 
     def _refusal(self, reply: Message) -> tuple[str, dict[str, Any]] | None:
         """Learn the reply's cluster and keep what it says of its privacy; return (cluster, notes) if it refused."""
@@ -152,19 +162,38 @@ class PrivacyWrapper(NebulaStrategy):
         self.inner.rejected = {}
         self.inner.note_refused(server_round, declined)  # a refusal may still carry what a wrapper asked beside it
         if self.server_ledger is not None and self.cfg.max_epsilon is not None and self.server_ledger.epsilon_after(
-                noise_multiplier=self.sigma, sample_rate=self.sample_rate, steps=2) > self.cfg.max_epsilon:
+                noise_multiplier=self.sigma, sample_rate=self.sample_rate,
+                steps=2 + len(self.inner.held_rounds())) > self.cfg.max_epsilon:
             self.inner.note_last_round(server_round)  # the budget stops the run before the next round (configure_train)
         # a cluster that stopped has left the federation: min-clusters counts the ones still in it
         active = self.directory.known_clusters() - set(self.exhausted)
         self.inner.set_min_updates(min(self.min_updates, len(active)) if active else self.min_updates)
-        if not passed:  # every sampled cluster refused: the global adapter stays as it is this round
+        if not passed and declined and not self.inner.held_rounds():
+            # every sampled cluster refused and nothing is held: the global adapter stays as it is this round
             arrays, metrics = self.current, MetricRecord({"clusters": 0})
-        else:
+        else:  # a held round is unmasked even when every cluster refused this one (their refusals carry the answers)
             arrays, metrics = self.inner.aggregate_train(server_round, passed)
         self.rejected.update(self.inner.rejected)
-        if self.server_ledger is not None and arrays is not None:
-            self.server_ledger.record_round(noise_multiplier=self.sigma, sample_rate=self.sample_rate)
+        self._account(server_round, passed)
         return arrays, metrics
+
+    def flush(self, grid: Grid, arrays: ArrayRecord) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        self.notes = {}
+        self.inner.rejected = {}
+        out = self.inner.flush(grid, arrays)
+        self.rejected.update(self.inner.rejected)
+        self._account(None, [])
+        return out
+
+    def _account(self, server_round: int | None, passed: list[Message]) -> None:
+        """One step of the server's ledger per round the server learned (see the module's docstring)."""
+        if self.server_ledger is None:
+            return
+        released = self.inner.released_rounds()
+        if released is None:  # the updates reached the server as they are: this round's, if any came
+            released = [server_round] if any(not r.has_error() for r in passed) else []
+        for _ in released:
+            self.server_ledger.record_round(noise_multiplier=self.sigma, sample_rate=self.sample_rate)
 
     def _equal_weight(self, reply: Message) -> Message:
         """Client-level DP bounds each cluster's influence by C: average with equal weights."""

@@ -40,6 +40,13 @@ round, silent, or answering without the record) are asked with one explicit trip
 t shares of some seed; a refusal is final. The held round is checkpointed with the strategy (secagg/held.py),
 not flushed: a checkpoint is written every round, so flushing would bring the extra trip back every round.
 
+No held round is lost when the run stops. A round every sampled cluster refuses (the privacy wrapper takes the
+refusals out: the natural end of a budget-limited run) still unmasks the held round from the answers its refusal
+replies carry. A run that stops with a round held (every cluster stopped, the loop's last round reached after a
+resume) flushes it after the loop with one explicit unmask trip (`flush`), recorded as one more round. A held sum
+that cannot be unmasked is said in the report's `not_applied` (round and reason) and logged as a WARNING; each
+round's report names the round still held after it (`held`), which is what its checkpoint holds.
+
 It sits outside compression (which sends the downlink and keeps each cluster's view) and inside
 privacy (refusals, the client-level accountant): under client-level DP it asks each cluster for
 1/threshold of the noise variance, so any sum that can be unmasked carries the full σ.
@@ -80,7 +87,7 @@ from nebula_fl.secagg.replies import (
 )
 from nebula_fl.secagg.shares import ShareError
 from nebula_fl.secagg.wire import digest, unpack_upload
-from nebula_fl.strategies.adapter_strategy import CONFIG_KEY, METRICS_KEY, UPDATE_KEY
+from nebula_fl.strategies.adapter_strategy import CONFIG_KEY, METRICS_KEY, UPDATE_KEY, to_numpy
 from nebula_fl.strategies.base import NebulaStrategy, NodeTraffic
 from nebula_fl.strategies.compression import BLOB, CompressionWrapper
 
@@ -114,6 +121,7 @@ class SecAggWrapper(NebulaStrategy):
         self.asked: dict[int, str] = {}  # node -> cluster whose train message carries the held round's request
         self.answers: dict[str, dict[str, Any]] = {}  # cluster -> its piggybacked unmask answer
         self.refusals: dict[str, str] = {}  # cluster -> why its stage refused the piggybacked request
+        self.released: list[int] = []  # the rounds whose sum the last aggregation (or flush) unmasked
 
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -252,7 +260,7 @@ class SecAggWrapper(NebulaStrategy):
         self.grid, self.round, self.extra, self.report = grid, {}, {}, {"extra_trips": 0}
         self.overlap = bool(config.get("round-overlap", False))
         self.num_rounds = int(config.get("num-server-rounds", 0) or 0)
-        self.asked, self.answers, self.refusals = {}, {}, {}
+        self.asked, self.answers, self.refusals, self.released = {}, {}, {}, []
         messages = list(self.inner.configure_train(server_round, arrays, config, grid))
         federation = str(config.get("federation-id", ""))
         nodes: dict[int, str] = {}
@@ -293,6 +301,8 @@ class SecAggWrapper(NebulaStrategy):
             cfg = dict(m.content.config_records[CONFIG_KEY])
             cfg.update({"secagg-epoch": self.epoch["id"], "secagg-round-set": round_set, "secagg-bits": code.bits,
                         "secagg-clip": code.clip, "secagg-max-weight": code.max_weight})
+            if self.held is not None:  # the held round is applied one round late: this global does not hold it
+                cfg["global-round"] = min(int(cfg.get("global-round", server_round - 1)), self.held.server_round - 1)
             if "privacy-sigma" in cfg:  # each cluster adds 1/t of the variance: every sum we can unmask has σ
                 cfg["privacy-noise-shares"] = int(self.epoch["threshold"])
             named = {m: self.epoch["keys"][m] for m in round_set  # each member's key of this round, signed for it
@@ -390,8 +400,11 @@ class SecAggWrapper(NebulaStrategy):
         try:
             flat_mean, weight = self._unmask(self._held(uploads), node_of={c: n for n, c in self.round["nodes"].items()})
             self.report["unmasked_round"] = server_round
+            self.released = [server_round]
         except StageFailed as why:
             self._abort(server_round, str(why))
+            if uploads:
+                self._not_applied(server_round, str(why))
             flat_mean, weight = None, 0.0
         self.inner.destinations = self.destinations
         arrays, metrics = self.inner.aggregate_sum(server_round, uploaded=uploaded, flat_mean=flat_mean,
@@ -421,6 +434,41 @@ class SecAggWrapper(NebulaStrategy):
         """The run ends after this round (the privacy budget): its uploads are unmasked now, not held."""
         self.num_rounds = min(self.num_rounds, server_round) if self.num_rounds else server_round
 
+    def held_rounds(self) -> list[int]:
+        return [] if self.held is None else [self.held.server_round]
+
+    def released_rounds(self) -> list[int]:
+        return list(self.released)
+
+    def flush(self, grid: Grid, arrays: ArrayRecord) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Unmask the held round once no round is left to carry its request (the run ended or stopped with it held):
+        one explicit unmask trip, since no answer rode for it, then one outer step from `arrays`. Its report says
+        `flushed` (the round) and, when the sum could not be unmasked, `not_applied`."""
+        self.grid, self.round, self.extra, self.report = grid, {}, {}, {"extra_trips": 0}
+        self.asked, self.answers, self.refusals, self.released = {}, {}, {}, []
+        held, self.held = self.held, None
+        if held is None:
+            return None, None
+        core = self.inner.inner  # the outer optimizer: as its configure_train would leave it for this step
+        core.current, core.round_clusters = to_numpy(arrays), []  # (no current at all after a resume)
+        core.records.clear()  # the flush's record says what this step recorded, not the last round's
+        self.report["flushed"] = held.server_round
+        sums = self._unmask_now(held, answers=None)
+        self.released = [s[0] for s in sums]
+        self.report.update(unmasked_round=self.released[-1] if sums else None, unmasked_rounds=list(self.released))
+        if not sums:
+            return None, MetricRecord({"clusters": 0})
+        _, flat, weight, count = sums[0]
+        self.inner.rejected = {}
+        arrays_out, metrics = self.inner.apply_flat(flat, weight=weight, count=count)
+        self.rejected.update(self.inner.rejected)
+        return arrays_out, metrics
+
+    def _not_applied(self, server_round: int, why: str) -> None:
+        """Round `server_round`'s masked uploads will never be in the global adapter: said in the report (its record
+        and summary.json) with the reason."""
+        self.report.setdefault("not_applied", []).append({"round": server_round, "reason": why})
+
     def _collect_answers(self, replies: list[Message]) -> None:
         """Each asked cluster's piggybacked answer (a `secagg` record beside `update` and `metrics`): an answer
         (as the explicit trip's reply) or {"refused": why} when its stage refused the request."""
@@ -447,7 +495,8 @@ class SecAggWrapper(NebulaStrategy):
         try:
             flat, weight = self._unmask(held, node_of=self._node_of(held), answers=answers, refused=refused)
         except StageFailed as why:
-            self._abort(held.server_round, f"round {held.server_round}'s sum: {why}")
+            self._abort(held.server_round, f"round {held.server_round}'s sum is not applied: {why}")
+            self._not_applied(held.server_round, str(why))
             return []
         return [(held.server_round, flat, weight, len(held.uploads))]
 
@@ -464,7 +513,9 @@ class SecAggWrapper(NebulaStrategy):
         - this round's sum too when it cannot be held: the run's last round (num-server-rounds; one explicit
           unmask trip, so the final global includes every round), a round with dropouts (its view trip), or
           one with fewer uploads than the threshold (it aborts, as today).
-        A held round that cannot be unmasked is a skipped round, as an aborted unmasking is today.
+        A held round that cannot be unmasked is a skipped round, as an aborted unmasking is today, and is said in
+        the report's `not_applied`. A round nobody uploaded in (every sampled cluster refused it, or was silent)
+        has nothing to hold or unmask; the held round is still unmasked (a refusal reply carries its answer).
         `extra_trips` in the report: the message trips spent unmasking (view, unmask, recover); 0 in an
         overlapped round nobody dropped out of, 1 for the last round's flush or a missing answer."""
         self._collect_answers(replies)
@@ -475,15 +526,18 @@ class SecAggWrapper(NebulaStrategy):
         held, self.held = self.held, None
         if held is not None:
             sums += self._unmask_now(held, answers=self.answers, refused=self.refusals)
-        if self.round:
+        if self.round and uploads:
             this = self._held(uploads)
             if this.dropped or server_round >= self.num_rounds or len(this.survivors) < this.epoch["threshold"]:
                 sums += self._unmask_now(this, answers=None)
             else:
                 self.held = this
         self.inner.destinations = self.destinations
+        self.released = [s[0] for s in sums]
         self.report["unmasked_round"] = sums[-1][0] if sums else None
-        self.report["unmasked_rounds"] = [s[0] for s in sums]
+        self.report["unmasked_rounds"] = list(self.released)
+        if self.held is not None:  # what this round's checkpoint holds, still to be applied
+            self.report["held"] = self.held.server_round
         if not sums and held is None and self.held is not None:  # nothing to apply yet, and nothing lost
             self.inner.acknowledge_round(server_round, uploaded=uploaded)
             self.report["pending"] = server_round
