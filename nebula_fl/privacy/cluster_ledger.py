@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nebula_fl.durable import fsync_dir
 from nebula_fl.errors import NebulaError
 from nebula_fl.privacy.ledger import Entry, check_mechanism, epsilon_of, merge_entry
 
@@ -63,15 +64,6 @@ def _cut_torn_tail(fd: int, path: Path) -> int:
         os.ftruncate(fd, size - len(tail) + cut + 1)
     os.fsync(fd)
     return os.fstat(fd).st_size
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a new file's entry in `folder` durable (its contents are fsynced on their own)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ClusterLedger:
@@ -143,7 +135,7 @@ class ClusterLedger:
         finally:
             os.close(fd)
         if created:
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
 
     # -- queries ---------------------------------------------------------------------------------
     def entries(self, *, mode: str | None = None, federation: str | None = None) -> list[dict[str, Any]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 
+from nebula_fl.durable import fsync_dir, write_durably
 from nebula_fl.errors import NebulaError
 
 _ARRAY = "__array__"
@@ -97,29 +97,6 @@ def folder_name(round: int) -> str:
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all (temp file, fsync, rename); the caller fsyncs the folder (fsync_dir) once
-    it has renamed all it writes there. A write that fails removes its temp file and leaves `path` as it was."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with tmp.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_checkpoint(folder: Path, *, round: int, adapter: dict[str, np.ndarray], state: dict[str, Any]) -> str:

@@ -22,7 +22,6 @@ import fcntl
 import json
 import math
 import os
-import secrets
 import shutil
 import time
 from collections.abc import Iterator
@@ -83,16 +82,7 @@ def write_json(path: Path, obj: Any) -> None:
     """Write `obj` as `path` the way checkpoints are: a crash leaves the old file or the new one, never a torn one,
     and the rename itself survives a power loss (summary.json's status is what says whether the run finished).
     Each write has a temp file of its own: two writers at once never rename or remove each other's."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    try:
-        with tmp.open("xb") as handle:
-            handle.write((dumps(obj, indent=2, sort_keys=False) + "\n").encode())
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_durably(path, (dumps(obj, indent=2, sort_keys=False) + "\n").encode())
     fsync_dir(path.parent)
 
 

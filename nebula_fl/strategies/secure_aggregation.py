@@ -257,10 +257,9 @@ class SecAggWrapper(NebulaStrategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
                         ) -> Iterable[Message]:
-        self.grid, self.round, self.extra, self.report = grid, {}, {}, {"extra_trips": 0}
+        self._begin(grid)
         self.overlap = bool(config.get("round-overlap", False))
         self.num_rounds = int(config.get("num-server-rounds", 0) or 0)
-        self.asked, self.answers, self.refusals, self.released = {}, {}, {}, []
         messages = list(self.inner.configure_train(server_round, arrays, config, grid))
         federation = str(config.get("federation-id", ""))
         nodes: dict[int, str] = {}
@@ -434,6 +433,11 @@ class SecAggWrapper(NebulaStrategy):
         """The run ends after this round (the privacy budget): its uploads are unmasked now, not held."""
         self.num_rounds = min(self.num_rounds, server_round) if self.num_rounds else server_round
 
+    def _begin(self, grid: Grid) -> None:
+        """Forget the last round's trip state: a round (configure_train) or a flush starts from nothing."""
+        self.grid, self.round, self.extra, self.report = grid, {}, {}, {"extra_trips": 0}
+        self.asked, self.answers, self.refusals, self.released = {}, {}, {}, []
+
     def held_rounds(self) -> list[int]:
         return [] if self.held is None else [self.held.server_round]
 
@@ -444,8 +448,7 @@ class SecAggWrapper(NebulaStrategy):
         """Unmask the held round once no round is left to carry its request (the run ended or stopped with it held):
         one explicit unmask trip, since no answer rode for it, then one outer step from `arrays`. Its report says
         `flushed` (the round) and, when the sum could not be unmasked, `not_applied`."""
-        self.grid, self.round, self.extra, self.report = grid, {}, {}, {"extra_trips": 0}
-        self.asked, self.answers, self.refusals, self.released = {}, {}, {}, []
+        self._begin(grid)
         held, self.held = self.held, None
         if held is None:
             return None, None
