@@ -37,7 +37,7 @@ from nebula_fl.model.batches import TokenizedTexts
 from nebula_fl.model.evaluation import evaluate
 from nebula_fl.model.locate import resolve_model_path
 from nebula_fl.model.teacher import load_run_teacher
-from nebula_fl.server.run_folder import ADAPTER
+from nebula_fl.storage.run_folder import ADAPTER
 from nebula_fl.tasks import TaskSetup, make_task
 
 

@@ -41,8 +41,8 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.numpy import load_file
 
-from nebula_fl.server.checkpoint import parse_pointer, read_checkpoint
-from nebula_fl.server.run_folder import RunFolder
+from nebula_fl.storage.checkpoint import parse_pointer, read_checkpoint
+from nebula_fl.storage.run_folder import RunFolder
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

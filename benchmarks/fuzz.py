@@ -52,7 +52,7 @@ from nebula_fl.compression import CodecError, Compressor, Layout, available_code
 from nebula_fl.config import RunConfig
 from nebula_fl.errors import NebulaError
 from nebula_fl.secagg.evidence import json_map
-from nebula_fl.server.run_folder import RunFolder
+from nebula_fl.storage.run_folder import RunFolder
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "fuzz" / "results.json"
 KEEP = 5  # crashing inputs kept per target in results.json

@@ -98,12 +98,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from nebula_fl.clients import sharding
 from nebula_fl.comm.views import codec_seed
 from nebula_fl.compression import Compressor, Layout
 from nebula_fl.config import DataConfig, ModelConfig
 from nebula_fl.data.datasets import train_test_split
 from nebula_fl.devices import PARALLEL
+from nebula_fl.model import sharding
 from nebula_fl.model.locate import resolve_model_path
 from nebula_fl.tasks.base import TaskSetup
 from nebula_fl.tasks.mlm import MaskedTexts, MLMTask

@@ -3,7 +3,7 @@
 A random BERT built here (no download), with a mean-pool classification head, trained 2 AdamW steps by 2 and 4
 gloo ranks, each way, twice: full fine-tuning (every weight trainable: weights, gradients and two AdamW moments,
 where sharding saves most) and LoRA (r 8 on query/value plus the head: the frozen base weights dominate). The
-model is wrapped as the trainer wraps it (``clients/sharding.wrap``). Each rank reports:
+model is wrapped as the trainer wraps it (``model/sharding.wrap``). Each rank reports:
 
   held        the exact bytes it holds in parameters + gradients + optimizer state (its local shards under fsdp;
               DDP's gradient buckets, another copy of the trainable gradients, are not counted)
@@ -99,7 +99,7 @@ def _rank(rank: int, world: int, init_file: str, spec: dict, parallel: str, mode
     import torch
     import torch.distributed as dist
 
-    from nebula_fl.clients.sharding import wrap
+    from nebula_fl.model.sharding import wrap
 
     torch.set_num_threads(1)
     cuda = spec["device"] == "cuda"

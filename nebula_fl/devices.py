@@ -22,7 +22,7 @@ from nebula_fl.errors import NebulaError
 
 _ONE = re.compile(r"cpu|cuda(?::(\d{1,3}))?")
 PRECISIONS = ("auto", "fp32", "bf16")
-PARALLEL = ("ddp", "fsdp")  # how a cluster's workers share the model: nebula_fl/clients/sharding.py
+PARALLEL = ("ddp", "fsdp")  # how a cluster's workers share the model: nebula_fl/model/sharding.py
 DP_REFUSED = ("per-example DP (privacy mode 'sample') runs with --parallel ddp only: Opacus's per-sample "
               "gradients are not wired to FSDP here; run this cluster with --parallel ddp, or use privacy mode "
               "'client'")

@@ -145,7 +145,7 @@ def pick_device(spec: str) -> str:
 
 def run_flat_config(folder: Path) -> dict[str, Any]:
     """The run's flat config from its config.json, or a NebulaError saying the folder is not a run folder."""
-    from nebula_fl.server.run_folder import CONFIG, RunFolder
+    from nebula_fl.storage.run_folder import CONFIG, RunFolder
 
     if not folder.is_dir():
         raise NebulaError(f"'{folder}' is not a folder; pass a run folder written by `nebula-fl run` (runs/...)")
@@ -162,7 +162,7 @@ def open_run(folder: str | Path, *, model: str | None = None, device: str = "cpu
     (the first GPU if there is one), as key `server-device` says it."""
     from nebula_fl.components import load
     from nebula_fl.model.locate import resolve_model_path
-    from nebula_fl.server.run_folder import ADAPTER, MODEL, SUMMARY, RunFolder
+    from nebula_fl.storage.run_folder import ADAPTER, MODEL, SUMMARY, RunFolder
     from nebula_fl.tasks import TaskSetup, make_task
 
     run = RunFolder(folder)

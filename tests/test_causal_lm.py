@@ -211,7 +211,7 @@ def test_the_held_out_loss_is_per_token_and_perplexity_its_exponential(tok, trai
 
 
 def test_plain_text_has_no_exact_match_and_the_run_folder_writes_it_as_null(tok, trained, tmp_path):
-    from nebula_fl.server.run_folder import RunFolder
+    from nebula_fl.storage.run_folder import RunFolder
 
     task, model = trained
     result = task.check_result(task.evaluate(model, _records(tok, ["plain text one", "and two"], ["", ""]),
@@ -309,7 +309,7 @@ def test_the_instruction_views_ask_each_corpus_its_question_and_answer_with_the_
 
 
 def test_answers_stratify_only_when_they_are_a_few_labels():
-    from nebula_fl.data.instructions import MAX_STRATA, answer_strata
+    from nebula_fl.data.corpus import MAX_STRATA, answer_strata
 
     def objects(values):
         out = np.empty(len(values), dtype=object)

@@ -21,8 +21,8 @@ from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from nebula_fl.errors import NebulaError
-from nebula_fl.server.checkpoint import MANIFEST, CheckpointError, sha256
-from nebula_fl.server.run_folder import RunFolder
+from nebula_fl.storage.checkpoint import MANIFEST, CheckpointError, sha256
+from nebula_fl.storage.run_folder import RunFolder
 from tests.conftest import nebula_cmd
 
 FILES = ("adapter.safetensors", "state.safetensors", "state.json", MANIFEST)
@@ -129,7 +129,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoints_and_latest_alo
 SAVER = textwrap.dedent("""
     import sys
     import numpy as np
-    from nebula_fl.server.run_folder import RunFolder
+    from nebula_fl.storage.run_folder import RunFolder
     folder = RunFolder(sys.argv[1])
     r = folder.load_checkpoint()[0] if folder.load_checkpoint() else 0
     print("ready", flush=True)

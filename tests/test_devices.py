@@ -190,7 +190,7 @@ def test_bf16_autocast_trains_in_bf16_and_exchanges_fp32(tiny_model):
 
 
 def test_a_resumed_run_may_move_to_other_hardware_but_keeps_its_config(tmp_path):
-    from nebula_fl.server.run_folder import RunFolder
+    from nebula_fl.storage.run_folder import RunFolder
 
     plan = make_plan(_args(tmp_path, precision="bf16", workers_per_cluster="2,1"))
     RunFolder(plan.out).write_config({"run_config": plan.config.to_flat(), "launcher": plan.launcher_record()})

@@ -163,7 +163,7 @@ def teacher_run(tiny2, tmp_path_factory):
     from nebula_fl.data.datasets import load_dataset
     from nebula_fl.model.adapter import adapter_arrays, load_adapter_arrays
     from nebula_fl.model.loading import build_model
-    from nebula_fl.server.run_folder import RunFolder
+    from nebula_fl.storage.run_folder import RunFolder
 
     flat = load_config({"model": str(tiny2), "dataset": "bbcnews", "max-examples": 100, "seed": 3,
                                 "max-seq-len": 32}).to_flat()

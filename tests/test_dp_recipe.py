@@ -5,7 +5,8 @@ import math
 import pytest
 
 from nebula_fl.config import ConfigError, RunConfig
-from nebula_fl.privacy.dp_recipe import learning_rate, logical_batch, lora_mode
+from nebula_fl.model.frozen_a import lora_mode
+from nebula_fl.privacy.dp_recipe import learning_rate, logical_batch
 
 
 def test_the_logical_batch_is_an_eighth_of_the_data_under_sample_dp_only():

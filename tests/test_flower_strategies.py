@@ -20,11 +20,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from nebula_fl.components import load as load_config
 from nebula_fl.config import OuterConfig
 from nebula_fl.errors import ConfigError
-from nebula_fl.server.checkpoint import read_checkpoint, write_checkpoint
+from nebula_fl.storage.checkpoint import read_checkpoint, write_checkpoint
 from nebula_fl.strategies import make_strategy, strategy_class
-from nebula_fl.strategies.adapter_strategy import check_strategy_class, to_numpy, to_record
+from nebula_fl.strategies.adapter_strategy import to_numpy, to_record
 from nebula_fl.strategies.aggregation import weighted_mean
 from nebula_fl.strategies.flower import INDIVIDUAL, MEAN_BASED, REFUSED, FlowerOuter
+from nebula_fl.strategies.plugin_class import check_strategy_class
 from tests.conftest import put_on_path, take_off_path
 from tests.test_plugins import _fake_dist
 from tests.test_strategy import FakeGrid, _reply

@@ -20,7 +20,7 @@ import torch
 
 from nebula_fl.cli import main
 from nebula_fl.config import PRESETS
-from nebula_fl.server.run_folder import ADAPTER, CONFIG, MODEL, RunFolder
+from nebula_fl.storage.run_folder import ADAPTER, CONFIG, MODEL, RunFolder
 from nebula_fl.tasks.causal_lm import CausalLMTask
 
 PROMPTS = ("Which topic is this BBC News article about? Answer with one word: business, entertainment, politics, "

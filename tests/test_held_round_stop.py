@@ -12,7 +12,7 @@ import numpy as np
 from flwr.app import ConfigRecord
 
 from nebula_fl.config import PrivacyConfig
-from nebula_fl.server.checkpoint import join_state, split_state
+from nebula_fl.storage.checkpoint import join_state, split_state
 from nebula_fl.strategies.adapter_strategy import to_record
 from nebula_fl.strategies.base import StopFederation
 from tests.secagg_harness import make_federation

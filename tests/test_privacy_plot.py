@@ -16,13 +16,13 @@ from scipy.optimize import brentq
 from scipy.stats import norm
 
 from nebula_fl import cli
-from nebula_fl.privacy import plot
 from nebula_fl.privacy.cluster_ledger import ClusterLedger
-from nebula_fl.privacy.cluster_report import build_cluster_report, release_headers
-from nebula_fl.privacy.cluster_report import figure_of as cluster_figure
 from nebula_fl.privacy.policy import PrivacyPolicy
-from nebula_fl.privacy.report import build_report, figure_of, tables, write_report
-from nebula_fl.server.run_folder import RunFolder
+from nebula_fl.reports import privacy_plot as plot
+from nebula_fl.reports.cluster_report import build_cluster_report, release_headers
+from nebula_fl.reports.cluster_report import figure_of as cluster_figure
+from nebula_fl.reports.privacy_report import build_report, figure_of, tables, write_report
+from nebula_fl.storage.run_folder import RunFolder
 
 EPS = [5.3, 6.42, 7.27, 8.0]  # the smoke run's ε after each of 4 rounds of 3 steps (σ 0.674, q 0.125, PRV)
 

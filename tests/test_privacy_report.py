@@ -6,8 +6,8 @@ import pytest
 from rich.console import Console
 
 from nebula_fl.errors import NebulaError
-from nebula_fl.privacy.report import build_report, print_report, privacy_report_main, write_report
-from nebula_fl.server.run_folder import RunFolder
+from nebula_fl.reports.privacy_report import build_report, print_report, privacy_report_main, write_report
+from nebula_fl.storage.run_folder import RunFolder
 
 REASON = "cluster budget ε ≤ 8 would be exceeded: 7.91 now, 8.35 after 20 more steps"
 
@@ -150,7 +150,7 @@ def test_a_cluster_with_no_budget_of_its_own_is_marked(tmp_path):
 
 def test_a_clusters_own_report_marks_the_releases_it_made_with_no_budget(tmp_path):
     from nebula_fl.privacy.cluster_ledger import LEDGER_FILE, ClusterLedger
-    from nebula_fl.privacy.cluster_report import build_cluster_report, print_cluster_report, write_cluster_report
+    from nebula_fl.reports.cluster_report import build_cluster_report, print_cluster_report, write_cluster_report
 
     ledger = ClusterLedger(path=tmp_path / LEDGER_FILE, accountant="rdp")
     for rnd, no_budget in ((1, True), (2, True), (3, False)):  # a policy set after two rounds

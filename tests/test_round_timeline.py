@@ -108,7 +108,7 @@ def test_a_failed_overlapped_evaluation_ends_the_run_with_its_error():
 def test_a_resume_restores_the_record_of_a_round_checkpointed_just_before_a_crash(tmp_path):
     from nebula_fl.config import RunConfig
     from nebula_fl.server.app import ServerRun
-    from nebula_fl.server.run_folder import RunFolder
+    from nebula_fl.storage.run_folder import RunFolder
 
     cfg = RunConfig.from_flat({"out-dir": str(tmp_path / "run"), "resume": True})
     folder = RunFolder(tmp_path / "run")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flwr.app import MetricRecord
 
-from nebula_fl.server.checkpoint import join_state, split_state
-from nebula_fl.server.run_folder import RunFolder
+from nebula_fl.storage.checkpoint import join_state, split_state
+from nebula_fl.storage.run_folder import RunFolder
 
 
 def test_nested_state_round_trips_through_split_and_join():

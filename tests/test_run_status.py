@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 from nebula_fl.config import PrivacyConfig, RunConfig
 from nebula_fl.errors import NebulaError
 from nebula_fl.server import app
-from nebula_fl.server.run_folder import RunFolder
+from nebula_fl.storage.run_folder import RunFolder
 from tests.secagg_harness import make_federation
 from tests.test_round_faults import ScriptedGrid
 from tests.test_secagg_overlap import SHAPES, fast, mean_of, new_updates

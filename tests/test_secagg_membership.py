@@ -12,7 +12,7 @@ from nebula_fl.errors import ConfigError, NebulaError
 from nebula_fl.launcher.federation import Federation
 from nebula_fl.launcher.plan import LaunchPlan, _cluster_policies
 from nebula_fl.privacy.policy import PrivacyPolicy
-from nebula_fl.privacy.report import build_report
+from nebula_fl.reports.privacy_report import build_report
 
 TRUST = {"secagg_trust_server_membership": True}
 

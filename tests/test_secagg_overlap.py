@@ -11,7 +11,7 @@ import pytest
 
 from nebula_fl.clients.secagg_stage import SecAggRefusal, SecAggStage
 from nebula_fl.config import SecAggConfig
-from nebula_fl.server.checkpoint import join_state, split_state
+from nebula_fl.storage.checkpoint import join_state, split_state
 from tests.secagg_harness import make_federation, run_round
 
 SHAPES = {"a": (60,), "b": (5, 8)}

@@ -65,7 +65,7 @@ def _gradient_error(kind: str, model_path: Path, rank: int, world: int) -> dict:
     """Max relative error of every trainable gradient (sharded, gathered) against the averaged reference."""
     import torch
 
-    from nebula_fl.clients.sharding import is_sharded, repeated_blocks, whole, wrap
+    from nebula_fl.model.sharding import is_sharded, repeated_blocks, whole, wrap
     from nebula_fl.tasks import make_task
 
     task = make_task(kind, {k: v for k, v in MLM.items() if k != "task.name"} if kind == "mlm" else {})
@@ -96,7 +96,7 @@ def _mixed_dtype_error(rank: int, world: int) -> dict:
     import torch
     from torch import nn
 
-    from nebula_fl.clients.sharding import whole, wrap
+    from nebula_fl.model.sharding import whole, wrap
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -349,7 +349,7 @@ def _args(tmp_path, **given) -> Namespace:
 
 def test_the_launcher_takes_one_parallel_mode_or_one_per_cluster_and_keeps_it_for_resume(tmp_path):
     from nebula_fl.launcher.plan import make_plan
-    from nebula_fl.server.run_folder import RunFolder
+    from nebula_fl.storage.run_folder import RunFolder
 
     assert make_plan(_args(tmp_path)).launcher_record()["parallel"] == ["ddp", "ddp"]
     assert make_plan(_args(tmp_path, parallel="fsdp")).parallel == ["fsdp", "fsdp"]

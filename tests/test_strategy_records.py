@@ -12,7 +12,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Metadata, MetricRecord, R
 from flwr.app.message.message import make_message
 
 from nebula_fl.compression import Compressor, Layout
-from nebula_fl.config import OuterConfig, RunConfig, Section, _require
+from nebula_fl.config import OuterConfig, RunConfig, Section, require
 from nebula_fl.strategies import BUILTIN_STRATEGIES, make_strategy
 from nebula_fl.strategies.adapter_strategy import to_numpy
 from nebula_fl.strategies.base import RoundOutcome
@@ -30,7 +30,7 @@ class DropOptions(Section):
     """Updates left out each round: those farthest from the others."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.drop, int) and self.drop >= 0, "strategy.drop", f"is {self.drop!r}", "use 0 or more")
+        require(isinstance(self.drop, int) and self.drop >= 0, "strategy.drop", f"is {self.drop!r}", "use 0 or more")
 
 
 class DropFarthest(AdapterFedAvg):

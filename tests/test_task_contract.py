@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from nebula_fl.config import DataConfig
+from nebula_fl.data.corpus import value_bins
 from nebula_fl.data.datasets import (
     cluster_shard,
     load_dataset,
     plan_partition,
     stratified_split,
     train_test_split,
-    value_bins,
 )
 from nebula_fl.data.partition import label_skew
 from nebula_fl.errors import NebulaError

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from nebula_fl.components import load as load_config
-from nebula_fl.config import ModelConfig, Section, _int
+from nebula_fl.config import ModelConfig, Section, check_int
 from nebula_fl.errors import ConfigError
 from nebula_fl.model.adapter import adapter_arrays
 from nebula_fl.tasks import TASKS, Task, TaskSetup, make_task
@@ -25,7 +25,7 @@ class _Width(Section):
     width: int = 3
 
     def __post_init__(self) -> None:
-        _int("task.width", self.width, low=1, high=64, fix="use 1 to 64")
+        check_int("task.width", self.width, low=1, high=64, fix="use 1 to 64")
 
 
 class _Toy(Task):

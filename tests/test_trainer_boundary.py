@@ -161,7 +161,7 @@ def test_a_policy_that_protects_nothing_stops_the_trainer_at_start(tmp_path, tin
 
 
 def test_a_cluster_with_no_policy_says_it_runs_any_dp_the_server_asks_uncapped(tmp_path, tiny_model, make):
-    from nebula_fl.privacy.cluster_report import build_cluster_report
+    from nebula_fl.reports.cluster_report import build_cluster_report
 
     make_config, adapter = make
     proc, sock = start(tmp_path, tiny_model)  # the CLI's default policy: off

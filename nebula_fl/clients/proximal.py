@@ -54,7 +54,7 @@ class ProximalTerm:
     """
 
     def __init__(self, *, params: Mapping[str, nn.Parameter], anchor: Mapping[str, np.ndarray], mu: float) -> None:
-        from nebula_fl.clients.sharding import shard_like
+        from nebula_fl.model.sharding import shard_like
 
         if not (np.isfinite(mu) and mu > 0):
             raise ValueError(f"the proximal weight mu must be finite and > 0 (0 means no term), got {mu!r}")

@@ -44,12 +44,12 @@ from nebula_fl.clients.overlap import (
 )
 from nebula_fl.clients.proximal import ProximalTerm, attach, proximal_penalty
 from nebula_fl.clients.reply_cache import FEDERATION_ID
-from nebula_fl.clients.sharding import load_optimizer_state, local_optimizer_state, wrap
 from nebula_fl.clients.snapshots import SnapshotStore
 from nebula_fl.config import ModelConfig, PrivacyConfig, TrainConfig
 from nebula_fl.data.datasets import TextDataset
 from nebula_fl.devices import DP_REFUSED, resolve_precision
 from nebula_fl.errors import NebulaError
+from nebula_fl.model.sharding import load_optimizer_state, local_optimizer_state, wrap
 from nebula_fl.privacy.dp_recipe import learning_rate, logical_batch
 from nebula_fl.privacy.policy import Admission
 from nebula_fl.tasks import Task, TaskSetup, make_task, task_class
@@ -70,7 +70,7 @@ class WorkerContext:
     control: Any  # the gloo process group for control messages
     slowdown: float = 1.0  # emulate a slower site: each step takes this many times as long (the extra asleep)
     precision: str = "auto"  # the operator's: auto, fp32 or bf16 (nebula_fl/devices.py resolves it per mechanism)
-    parallel: str = "ddp"  # "ddp": every rank holds the whole model; "fsdp": each a shard (clients/sharding.py)
+    parallel: str = "ddp"  # "ddp": every rank holds the whole model; "fsdp": each a shard (model/sharding.py)
 
 
 class RequestError(NebulaError):

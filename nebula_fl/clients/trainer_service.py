@@ -69,7 +69,7 @@ class TrainerOptions:
     policy: PrivacyPolicy = field(default_factory=PrivacyPolicy)
     slowdown: float = 1.0  # emulate a slower site: each step takes this many times as long (asleep, no CPU)
     lock_wait_s: float = LOCK_WAIT_S  # how long to wait for the trainer before this one on the state folder
-    parallel: str = "ddp"  # "ddp" or "fsdp": how the workers share the model (clients/sharding.py)
+    parallel: str = "ddp"  # "ddp" or "fsdp": how the workers share the model (model/sharding.py)
     socket_group: int | None = None  # a group whose members may connect (the SuperNode's user); None: this user only
 
 

@@ -13,6 +13,8 @@ through the ``nebula_fl.codecs`` entry-point group (see Codec for the contract).
 from nebula_fl.compression.codec import ArraySpec, Codec, Encoded, Plan
 from nebula_fl.compression.compressor import Compressor
 from nebula_fl.compression.errors import CodecError
+from nebula_fl.compression.int4 import Int4  # both widths present for BlockQuantizer.with_param
+from nebula_fl.compression.int8 import Int8
 from nebula_fl.compression.layout import Layout
 from nebula_fl.compression.registry import available_codecs, register_codec
 from nebula_fl.compression.spec import parse_spec
@@ -23,6 +25,8 @@ __all__ = [
     "CodecError",
     "Compressor",
     "Encoded",
+    "Int4",
+    "Int8",
     "Layout",
     "Plan",
     "available_codecs",

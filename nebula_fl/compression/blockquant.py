@@ -170,6 +170,11 @@ class BlockQuantizer(Codec):
     finite_output = True
     levels: ClassVar[int]
     bits: ClassVar[int]
+    widths: ClassVar[dict[int, type[BlockQuantizer]]] = {}  # bit width -> its codec: int8 and int4 sign in below
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        BlockQuantizer.widths.setdefault(cls.bits, cls)  # the built-ins load first; a plug-in never replaces one
 
     def __init__(self, *, block: int = DEFAULT_BLOCK) -> None:
         if isinstance(block, bool) or not isinstance(block, int) or not MIN_BLOCK <= block <= MAX_BLOCK:
@@ -190,12 +195,10 @@ class BlockQuantizer(Codec):
         return self.bits
 
     def with_param(self, value: float | int) -> Codec:
-        from nebula_fl.compression.registry import get_codec
-
         if value not in (4, 8) or isinstance(value, bool):
             raise CodecError(f"{self.spec}: the adjustable parameter is the bit width, 8 (int8) or 4 (int4); "
                              f"got {value!r}")
-        return get_codec(f"int{int(value)}")(block=self.block)  # type: ignore[call-arg]
+        return BlockQuantizer.widths[int(value)](block=self.block)  # type: ignore[call-arg]
 
     def quantize(self, values: np.ndarray, segments: tuple[int, ...], seed: int) -> tuple[np.ndarray, np.ndarray]:
         return quantize(values, segments, block=self.block, levels=self.levels, gen=self.generator(seed))

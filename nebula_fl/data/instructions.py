@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from nebula_fl.data.corpus import SHIPPED, TextDataset, load_labelled, resolve_dataset_path
 from nebula_fl.errors import NebulaError
 
 FIELDS = ("instruction", "input", "output", "text")
-MAX_STRATA = 64  # at most this many distinct answers: a classification in disguise, stratified by answer
 
 # The question each shipped corpus is asked; {choices} lists its label names exactly as the answers spell them
 # (bbcnews says 'sports': a question offering 'sport' would teach the model to contradict its own prompt).
@@ -45,23 +45,10 @@ def prompt_text(instruction: str, input_text: str = "") -> str:
     return f"{instruction}\n\n{input_text}" if input_text else instruction
 
 
-def answer_strata(answers: np.ndarray) -> np.ndarray:
-    """Each record's stratum: its answer's index when every record has one of at most ``MAX_STRATA`` answers (an
-    instruction view keeps its topics in the test split, and 'dirichlet:ALPHA' skews clusters by topic), else 0."""
-    values = [str(a) for a in answers]
-    distinct = sorted(set(values))
-    if not values or "" in distinct or len(distinct) > MAX_STRATA:
-        return np.zeros(len(values), dtype=np.int64)
-    index = {a: i for i, a in enumerate(distinct)}
-    return np.asarray([index[a] for a in values], dtype=np.int64)
-
-
 def load_records(name: str):
     """The records of a shipped corpus (its instruction view) or of a path, as a 'text' ``TextDataset``."""
-    from nebula_fl.data.datasets import SHIPPED, TextDataset, load_dataset, resolve_dataset_path
-
     if name in SHIPPED:
-        data = load_dataset(name, targets="classes")
+        data = load_labelled(name, targets="classes")
         instruction = view_instruction(name, data.label_names)
         texts = [prompt_text(instruction, t) for t in data.texts]
         answers = [data.label_names[int(i)] for i in data.labels]

@@ -37,7 +37,7 @@ from nebula_fl.launcher.processes import Managed, ProcessSet
 from nebula_fl.launcher.report import print_summary, round_line
 from nebula_fl.launcher.secure import transport_for
 from nebula_fl.launcher.watchdog import Watchdog
-from nebula_fl.server.run_folder import RunFolder
+from nebula_fl.storage.run_folder import RunFolder
 
 APP_LICENSE = "Apache-2.0: generated nebula-fl app bundle (configuration only; the code is the installed nebula-fl)\n"
 

@@ -21,7 +21,7 @@ from nebula_fl.data.datasets import plan_partition, resolve_dataset_path
 from nebula_fl.devices import PRECISIONS, check_visible, resolve_precision, server_device, visible_gpus, worker_devices
 from nebula_fl.errors import NebulaError
 from nebula_fl.model.locate import resolve_model_path
-from nebula_fl.server.run_folder import RunFolder
+from nebula_fl.storage.run_folder import RunFolder
 from nebula_fl.tasks import task_class
 
 FLAG_KEYS = {

@@ -3,7 +3,7 @@
 PEFT's own ``get_peft_model_state_dict`` / ``set_peft_model_state_dict`` decide which tensors belong
 to the adapter (the LoRA factors and the modules-to-save head); this module only converts and checks, and
 leaves out what `lora-mode="frozen-a"` fixed from the run's seed (LoRA A): it is never exchanged. A model sharded
-by FSDP (``clients/sharding.py``) is read and written as full tensors: every rank calls these together.
+by FSDP (``model/sharding.py``) is read and written as full tensors: every rank calls these together.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
-from nebula_fl.clients.sharding import shard_like, whole
 from nebula_fl.comm.validation import check_arrays
 from nebula_fl.model.frozen_a import frozen_keys
+from nebula_fl.model.sharding import shard_like, whole
 
 Arrays = dict[str, np.ndarray]
 

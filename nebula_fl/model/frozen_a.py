@@ -51,7 +51,7 @@ def frozen_keys(model: PeftModel) -> frozenset[str]:
 def fingerprint(model: PeftModel) -> str:
     """SHA-256 over the frozen tensors (name, shape, float32 bytes); '' when nothing is frozen. Full tensors of a
     sharded model: every rank calls it together."""
-    from nebula_fl.clients.sharding import whole
+    from nebula_fl.model.sharding import whole
 
     keys = sorted(frozen_keys(model))
     if not keys:
@@ -63,3 +63,10 @@ def fingerprint(model: PeftModel) -> str:
         digest.update(f"{key}:{value.shape}".encode())
         digest.update(value.tobytes())
     return digest.hexdigest()
+
+
+def lora_mode(*, requested: str, privacy_mode: str) -> str:
+    """'auto' is frozen-a under sample DP (half the noise dimensions, exact averages), standard otherwise."""
+    if requested != "auto":
+        return requested
+    return "frozen-a" if privacy_mode == "sample" else "standard"

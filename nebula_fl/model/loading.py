@@ -10,9 +10,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from nebula_fl.config import ModelConfig
 from nebula_fl.errors import NebulaError
 from nebula_fl.model.classifier import SequenceClassifier
-from nebula_fl.model.frozen_a import freeze_shared_a
+from nebula_fl.model.frozen_a import freeze_shared_a, lora_mode
 from nebula_fl.model.locate import gguf_file, resolve_model_path
-from nebula_fl.privacy.dp_recipe import lora_mode
 
 HEAD = "head"
 

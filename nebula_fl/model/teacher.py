@@ -71,7 +71,7 @@ def load_run_teacher(folder: str | Path, *, device: torch.device | str = "cpu") 
     from nebula_fl.model.adapter import load_adapter_arrays
     from nebula_fl.model.loading import build_model, load_tokenizer
     from nebula_fl.model.locate import resolve_model_path
-    from nebula_fl.server.run_folder import ADAPTER, RunFolder
+    from nebula_fl.storage.run_folder import ADAPTER, RunFolder
 
     run = RunFolder(folder)
     where = f"'{run.path}'"

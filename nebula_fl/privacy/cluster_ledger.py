@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nebula_fl.durable import fsync_dir
 from nebula_fl.errors import NebulaError
 from nebula_fl.privacy.ledger import Entry, check_mechanism, epsilon_of, merge_entry
+from nebula_fl.storage.durable import fsync_dir
 
 LEDGER_FILE = "privacy-ledger.jsonl"
 FORMAT = 1

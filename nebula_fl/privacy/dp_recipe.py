@@ -6,7 +6,7 @@ tweets at epsilon 8, clipping alone costs 0.2 points and the noise 11). What the
 ``benchmarks/dp_levers.py`` found to help, at equal compute: logical batches of about an eighth of the
 cluster's data (computed in length-sorted chunks of `batch-size`), a learning rate
 scaled with the batch (Adam's square-root rule, Malladi et al. 2022), and FFA-LoRA's frozen A (noise
-in half the dimensions; Sun et al. 2024). Each is only a default: an explicit key wins.
+in half the dimensions; Sun et al. 2024; `model/frozen_a.lora_mode`). Each is only a default: an explicit key wins.
 """
 
 from __future__ import annotations
@@ -33,9 +33,3 @@ def learning_rate(*, requested: float | None, lr: float, logical: int, batch_siz
         return requested
     return lr * math.sqrt(max(1.0, logical / (batch_size * world)))
 
-
-def lora_mode(*, requested: str, privacy_mode: str) -> str:
-    """'auto' is frozen-a under sample DP (half the noise dimensions, exact averages), standard otherwise."""
-    if requested != "auto":
-        return requested
-    return "frozen-a" if privacy_mode == "sample" else "standard"

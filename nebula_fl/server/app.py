@@ -22,13 +22,13 @@ from nebula_fl.comm.adaptive import BandwidthTracker
 from nebula_fl.components import resolve
 from nebula_fl.config import RunConfig
 from nebula_fl.errors import NebulaError
+from nebula_fl.reports.metric_plot import plot_metric_vs_bytes
 from nebula_fl.server.evaluation import ServerEvaluator
 from nebula_fl.server.log_routing import route_python_logging
-from nebula_fl.server.plots import plot_metric_vs_bytes
-from nebula_fl.server.run_folder import ADAPTER, MODEL, RunFolder, plot_name
 from nebula_fl.server.tensorboard import TensorBoardLog
 from nebula_fl.server.timeline import cluster_phases, round_timeline, utilisation_note
 from nebula_fl.server.wan_counters import WanCounters
+from nebula_fl.storage.run_folder import ADAPTER, MODEL, RunFolder, plot_name
 from nebula_fl.strategies import make_strategy
 from nebula_fl.strategies.adapter_strategy import to_numpy, to_record
 from nebula_fl.strategies.base import NebulaStrategy, RoundFinishFailed, RoundOutcome

@@ -13,13 +13,14 @@ from nebula_fl.config import OuterConfig
 from nebula_fl.errors import ConfigError
 from nebula_fl.plugins import Plugins
 from nebula_fl.strategies.adam import AdapterAdam
-from nebula_fl.strategies.adapter_strategy import AdapterStrategy, check_strategy_class
+from nebula_fl.strategies.adapter_strategy import AdapterStrategy
 from nebula_fl.strategies.fedavg import AdapterFedAvg
 from nebula_fl.strategies.fedavgm import AdapterFedAvgM
 from nebula_fl.strategies.flower import PREFIX as FLOWER_PREFIX
 from nebula_fl.strategies.flower import flower_names, flower_strategy_class
 from nebula_fl.strategies.momentum import MomentumStrategy
 from nebula_fl.strategies.nesterov import AdapterNesterov
+from nebula_fl.strategies.plugin_class import check_strategy_class
 
 BUILTIN_STRATEGIES: dict[str, type[AdapterStrategy]] = {
     cls.name: cls for cls in (AdapterFedAvg, AdapterFedAvgM, AdapterNesterov, AdapterAdam)

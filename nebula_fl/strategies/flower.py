@@ -40,7 +40,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from nebula_fl.comm.validation import check_arrays
-from nebula_fl.config import RunConfig, Section, _key
+from nebula_fl.config import RunConfig, Section, config_key
 from nebula_fl.errors import ConfigError
 from nebula_fl.strategies.adapter_strategy import (
     METRICS_KEY,
@@ -213,7 +213,7 @@ class FlowerOuter(AdapterStrategy):
             raise ValueError(f"outer-lr does not apply to '{self.name}': {self.lr_hint()}")
         super().__init__(clusters_per_round=clusters_per_round, seed=seed, options=options)
         given = dataclasses.asdict(self.options)
-        missing = sorted(_key("strategy", n) for n in self.required_options if given[n] is None)
+        missing = sorted(config_key("strategy", n) for n in self.required_options if given[n] is None)
         if missing:
             raise ValueError(f"'{self.name}' needs {', '.join(missing)} (Flower's {self.flower_class.__name__} has no "
                              "default for it); set it with --run-config")
@@ -232,7 +232,7 @@ class FlowerOuter(AdapterStrategy):
     @classmethod
     def lr_hint(cls) -> str:
         own = [f.name for f in dataclasses.fields(cls.Options) if f.name in SERVER_LR]
-        return (f"its own server learning rate is {_key('strategy', own[0])}; leave outer-lr auto and set that"
+        return (f"its own server learning rate is {config_key('strategy', own[0])}; leave outer-lr auto and set that"
                 if own else f"Flower's {cls.flower_class.__name__} has no server learning rate; leave outer-lr auto")
 
     @classmethod
@@ -244,7 +244,7 @@ class FlowerOuter(AdapterStrategy):
         for name in sorted(cls.required_options):
             if getattr(options, name) is None:
                 hint = f" (the clusters' lr is {cfg.train.lr})" if name == "client_learning_rate" else ""
-                raise ConfigError(f"config key '{_key('strategy', name)}' is required by outer optimizer "
+                raise ConfigError(f"config key '{config_key('strategy', name)}' is required by outer optimizer "
                                   f"'{cls.name}' (Flower's {cls.flower_class.__name__} has no default for it); "
                                   f"set it with --run-config{hint}")
         try:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nebula_fl.config import PRIVACY_MODES, ModelConfig, Section, _int, _require
+from nebula_fl.config import PRIVACY_MODES, ModelConfig, Section, check_int, require
 from nebula_fl.data.datasets import TARGETS
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ class Task(ABC):
     def exchanged(self, model: nn.Module) -> Arrays:
         """Copies of the exchanged tensors as float32 arrays (full tensors of a model sharded by FSDP: every rank
         calls this, and ``load_exchanged`` and ``fingerprint``, together)."""
-        from nebula_fl.clients.sharding import whole
+        from nebula_fl.model.sharding import whole
 
         if self.exchange == "adapter":
             from nebula_fl.model.adapter import adapter_arrays
@@ -188,8 +188,8 @@ class Task(ABC):
 
             load_adapter_arrays(model, arrays)
             return
-        from nebula_fl.clients.sharding import shard_like
         from nebula_fl.comm.validation import check_arrays
+        from nebula_fl.model.sharding import shard_like
 
         params = {k: p for k, p in model.named_parameters() if p.requires_grad}
         check_arrays(expected={k: tuple(p.shape) for k, p in params.items()}, arrays=arrays, what="model")
@@ -212,12 +212,12 @@ class Task(ABC):
 def check_sizes(*, layers: int, hidden: int, heads: int, intermediate: int) -> None:
     """The ``task.*`` sizes of a transformer a task builds from scratch (mlm's BERT, causal-lm's Llama), checked
     alike: a bad one fails on the server and every cluster with the same one-line error."""
-    _int("task.layers", layers, low=1, high=48, fix="use 1 to 48 layers")
-    _int("task.heads", heads, low=1, high=64, fix="use 1 to 64 heads")
-    _int("task.hidden", hidden, low=8, high=4096, fix="use a hidden size of 8 to 4096")
-    _require(hidden % heads == 0, "task.hidden", f"is {hidden}, not a multiple of task.heads ({heads})",
+    check_int("task.layers", layers, low=1, high=48, fix="use 1 to 48 layers")
+    check_int("task.heads", heads, low=1, high=64, fix="use 1 to 64 heads")
+    check_int("task.hidden", hidden, low=8, high=4096, fix="use a hidden size of 8 to 4096")
+    require(hidden % heads == 0, "task.hidden", f"is {hidden}, not a multiple of task.heads ({heads})",
              "make task.hidden a multiple of task.heads")
-    _int("task.intermediate", intermediate, low=8, high=16_384, fix="use a width of 8 to 16384")
+    check_int("task.intermediate", intermediate, low=8, high=16_384, fix="use a width of 8 to 16384")
 
 
 class GlobalWeights(Mapping[str, torch.Tensor]):

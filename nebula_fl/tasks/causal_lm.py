@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nebula_fl.config import ModelConfig, Section, _int, _require
+from nebula_fl.config import ModelConfig, Section, check_int, require
 from nebula_fl.errors import NebulaError
 from nebula_fl.tasks.base import EXCHANGES, Examples, Task, TaskSetup, check_sizes
 
@@ -73,12 +73,12 @@ class CausalLMOptions(Section):
     def __post_init__(self) -> None:
         for key, value, allowed in (("init", self.init, INITS), ("exchange", self.exchange, EXCHANGES),
                                     ("objective", self.objective, OBJECTIVES), ("template", self.template, TEMPLATES)):
-            _require(isinstance(value, str) and value in allowed, f"task.{key}", f"is {value!r}",
+            require(isinstance(value, str) and value in allowed, f"task.{key}", f"is {value!r}",
                      f"use one of {', '.join(allowed)}")
         check_sizes(layers=self.layers, hidden=self.hidden, heads=self.heads, intermediate=self.intermediate)
-        _require((self.hidden // self.heads) % 2 == 0, "task.hidden", f"/ task.heads is {self.hidden // self.heads}, "
+        require((self.hidden // self.heads) % 2 == 0, "task.hidden", f"/ task.heads is {self.hidden // self.heads}, "
                  "odd", "make the head size (hidden / heads) even: rotary embeddings rotate pairs")
-        _int("task.exact-match-tokens", self.exact_match_tokens, low=1, high=256, fix="use 1 to 256 tokens")
+        check_int("task.exact-match-tokens", self.exact_match_tokens, low=1, high=256, fix="use 1 to 256 tokens")
 
 
 # -- prompts ----------------------------------------------------------------------------------------------
@@ -289,8 +289,7 @@ class CausalLMTask(Task):
     def _lora(self, model: nn.Module, setup: TaskSetup) -> nn.Module:
         from peft import LoraConfig, TaskType, get_peft_model
 
-        from nebula_fl.model.frozen_a import freeze_shared_a
-        from nebula_fl.privacy.dp_recipe import lora_mode
+        from nebula_fl.model.frozen_a import freeze_shared_a, lora_mode
 
         targets = lora_targets(model, setup.model)
         lora = LoraConfig(task_type=TaskType.CAUSAL_LM, r=setup.model.lora_r, lora_alpha=setup.model.lora_alpha,

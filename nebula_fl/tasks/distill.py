@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nebula_fl.config import Section, _int, _path, _real, _require, _show
+from nebula_fl.config import Section, check_int, check_path, check_real, require, show
 from nebula_fl.errors import ConfigError
 from nebula_fl.model.batches import TokenizedTexts
 from nebula_fl.model.evaluation import evaluate
@@ -67,18 +67,18 @@ class DistillOptions(Section):
 
     def __post_init__(self) -> None:
         fix = "name a completed classify run folder, or use 'local:STEPS' (e.g. local:100)"
-        _path("task.teacher", self.teacher, fix=fix)
-        _require(bool(self.teacher.strip()), "task.teacher", "is '' (empty)", fix)
+        check_path("task.teacher", self.teacher, fix=fix)
+        require(bool(self.teacher.strip()), "task.teacher", "is '' (empty)", fix)
         if self.teacher.startswith(LOCAL):
             digits = self.teacher[len(LOCAL):]
-            _require(digits.isdigit() and 1 <= int(digits) <= MAX_TEACHER_STEPS, "task.teacher",
-                     f"is {_show(self.teacher)}", f"use 'local:STEPS' with STEPS from 1 to {MAX_TEACHER_STEPS}")
-        _real("task.temperature", self.temperature, low=0, high=100, low_open=True,
+            require(digits.isdigit() and 1 <= int(digits) <= MAX_TEACHER_STEPS, "task.teacher",
+                     f"is {show(self.teacher)}", f"use 'local:STEPS' with STEPS from 1 to {MAX_TEACHER_STEPS}")
+        check_real("task.temperature", self.temperature, low=0, high=100, low_open=True,
               fix="use a temperature > 0 (at most 100; Hinton et al. use 2 to 20)")
-        _real("task.alpha", self.alpha, low=0, high=1, fix="use a weight in [0, 1] (0: no distillation)")
-        _int("task.student-layers", self.student_layers, low=1, high=48, fix="use 1 to 48 layers")
-        _real("task.teacher-lr", self.teacher_lr, low=0, high=10, low_open=True, fix="use a rate > 0, at most 10")
-        _int("task.teacher-batch-size", self.teacher_batch_size, low=1, high=65_536, fix="use 1 to 65536")
+        check_real("task.alpha", self.alpha, low=0, high=1, fix="use a weight in [0, 1] (0: no distillation)")
+        check_int("task.student-layers", self.student_layers, low=1, high=48, fix="use 1 to 48 layers")
+        check_real("task.teacher-lr", self.teacher_lr, low=0, high=10, low_open=True, fix="use a rate > 0, at most 10")
+        check_int("task.teacher-batch-size", self.teacher_batch_size, low=1, high=65_536, fix="use 1 to 65536")
 
 
 class DistilledTexts:
@@ -113,7 +113,7 @@ def truncate_encoder(model: nn.Module, *, layers: int) -> None:
     if not isinstance(blocks, nn.ModuleList):
         raise ConfigError("config key 'task.student-layers' needs a BERT-style base model (encoder.layer blocks); "
                           "use 'minilm' or another BERT folder")
-    _require(layers <= len(blocks), "task.student-layers", f"is {layers}, but the base model has {len(blocks)} "
+    require(layers <= len(blocks), "task.student-layers", f"is {layers}, but the base model has {len(blocks)} "
              "layers", f"use 1 to {len(blocks)}")
     encoder.encoder.layer = nn.ModuleList(list(blocks)[:layers])  # type: ignore[union-attr]
     encoder.config.num_hidden_layers = layers  # type: ignore[union-attr]

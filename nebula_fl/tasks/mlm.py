@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nebula_fl.config import Section, _real
+from nebula_fl.config import Section, check_real
 from nebula_fl.tasks.base import Examples, Task, TaskSetup, check_sizes
 
 EVAL_MASK_SEED = 20_231_114  # + setup.seed: the held-out masks, fixed for the whole run
@@ -48,7 +48,7 @@ class MLMOptions(Section):
 
     def __post_init__(self) -> None:
         check_sizes(layers=self.layers, hidden=self.hidden, heads=self.heads, intermediate=self.intermediate)
-        _real("task.mask-prob", self.mask_prob, low=0, high=1, low_open=True, high_open=True,
+        check_real("task.mask-prob", self.mask_prob, low=0, high=1, low_open=True, high_open=True,
               fix="use a probability strictly between 0 and 1 (BERT: 0.15)")
 
 
@@ -189,7 +189,7 @@ class MLMTask(Task):
         """Mean cross-entropy over the masked positions (0 with a valid graph if a batch masks nothing)."""
         from transformers import BertForMaskedLM
 
-        from nebula_fl.clients.sharding import is_sharded
+        from nebula_fl.model.sharding import is_sharded
 
         if not isinstance(model, BertForMaskedLM) or is_sharded(model):
             # A wrapper (DDP), or a model sharded by FSDP (still a BertForMaskedLM): only its own forward

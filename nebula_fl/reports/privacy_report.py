@@ -1,7 +1,7 @@
 """The privacy report of a run folder: ε per cluster per round, the budgets, and where and why a cluster stopped.
 
 It reads only what the run wrote (``metrics.jsonl`` and ``summary.json``, see
-``nebula_fl/server/run_folder.py``); it recomputes nothing, so it shows the ε the clusters enforced.
+``nebula_fl/storage/run_folder.py``); it recomputes nothing, so it shows the ε the clusters enforced.
 
 Inputs, per round line of ``metrics.jsonl``:
 
@@ -33,8 +33,8 @@ from rich.console import Console
 from rich.table import Table
 
 from nebula_fl.errors import NebulaError
-from nebula_fl.privacy import plot
-from nebula_fl.server.run_folder import CONFIG, METRICS, SUMMARY, RunFolder, write_json
+from nebula_fl.reports import privacy_plot as plot
+from nebula_fl.storage.run_folder import CONFIG, METRICS, SUMMARY, RunFolder, write_json
 
 REPORT_JSON = "privacy.json"
 REPORT_PNG = "privacy.png"

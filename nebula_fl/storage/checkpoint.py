@@ -23,8 +23,8 @@ import numpy as np
 from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 
-from nebula_fl.durable import fsync_dir, write_durably
 from nebula_fl.errors import NebulaError
+from nebula_fl.storage.durable import fsync_dir, write_durably
 
 _ARRAY = "__array__"
 FORMAT = 2  # 1: the folders written before manifests (no manifest.json, no "format" in state.json)

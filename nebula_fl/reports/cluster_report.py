@@ -18,12 +18,12 @@ from typing import Any
 from rich.console import Console
 
 from nebula_fl.errors import NebulaError
-from nebula_fl.privacy import plot
 from nebula_fl.privacy.cluster_ledger import LEDGER_FILE, ClusterLedger
 from nebula_fl.privacy.ledger import epsilon_of, merge_entry
 from nebula_fl.privacy.policy import POLICY_FILE, PrivacyPolicy
-from nebula_fl.privacy.report import table
-from nebula_fl.server.run_folder import write_json
+from nebula_fl.reports import privacy_plot as plot
+from nebula_fl.reports.privacy_report import table
+from nebula_fl.storage.run_folder import write_json
 
 REPORT_JSON = "privacy.json"
 REPORT_PNG = "privacy.png"

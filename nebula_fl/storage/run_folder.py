@@ -8,7 +8,7 @@ are appended and fsynced one by one, and a line cut short by a crash ends the us
 from the first moment and ``completed`` only after the last round's checkpoint and the final
 adapter are on disk, so a run that did not finish never claims to have. A round is complete once its
 checkpoint is; metrics lines of rounds past the last checkpoint are dropped on resume, so no round is
-counted twice. The two newest checkpoints are kept, each sealed by a manifest (server/checkpoint.py),
+counted twice. The two newest checkpoints are kept, each sealed by a manifest (storage/checkpoint.py),
 so a damaged newest one is reported, never loaded, and the run can rewind to the one before.
 
 Every JSON file here is strict JSON: a metric that has no value (NaN, e.g. the causal-lm task's exact match on
@@ -33,7 +33,7 @@ import numpy as np
 from safetensors.numpy import save
 
 from nebula_fl.errors import NebulaError
-from nebula_fl.server.checkpoint import (
+from nebula_fl.storage.checkpoint import (
     MANIFEST,
     CheckpointDamage,
     CheckpointError,
