@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness import fresh_out, run_federation, write_results  # beside this script, first on sys.path
+from harness import ADAPTER, fresh_out, run_federation, write_results  # beside this script, first on sys.path
 from rich.console import Console
 from rich.table import Table
 from safetensors.numpy import load_file
@@ -37,7 +37,6 @@ from nebula_fl.model.batches import TokenizedTexts
 from nebula_fl.model.evaluation import evaluate
 from nebula_fl.model.locate import resolve_model_path
 from nebula_fl.model.teacher import load_run_teacher
-from nebula_fl.server.run_folder import ADAPTER
 from nebula_fl.tasks import TaskSetup, make_task
 
 

@@ -98,7 +98,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from nebula_fl.clients import sharding
 from nebula_fl.comm.views import codec_seed
 from nebula_fl.compression import Compressor, Layout
 from nebula_fl.config import DataConfig, ModelConfig
@@ -163,8 +162,9 @@ def parse_device(text: str, precision: str) -> torch.device:
 @dataclass(frozen=True)
 class Ranks:
     """How each cluster's model trains inside the cluster: `world` ranks (this one is `rank`), the model wrapped by
-    nebula-fl's `sharding.wrap` (`fsdp`: each rank holds a shard; `ddp`: each a whole copy). `ddp` with one worker
-    is this process alone, as the benchmark always ran; anything else is a spawned process group."""
+    nebula-fl's `sharding.wrap`, through harness.wrap_parallel (`fsdp`: each rank holds a shard; `ddp`: each a whole
+    copy). `ddp` with one worker is this process alone, as the benchmark always ran; anything else is a spawned
+    process group."""
 
     parallel: str = "ddp"
     world: int = 1
@@ -247,7 +247,9 @@ class Bench:
                     module.p = 0.0
         model.train()
         if self.ranks.spawned:
-            model = sharding.wrap(model, parallel=self.ranks.parallel, device=self.device, world=self.ranks.world)
+            from harness import wrap_parallel  # beside this script, on sys.path (spawned ranks inherit it)
+
+            model = wrap_parallel(model, parallel=self.ranks.parallel, device=self.device, world=self.ranks.world)
         return model, torch.optim.AdamW(model.parameters(), lr=self.plan.lr, weight_decay=0.01)
 
     @staticmethod

@@ -98,8 +98,7 @@ def _rank(rank: int, world: int, init_file: str, spec: dict, parallel: str, mode
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
     import torch.distributed as dist
-
-    from nebula_fl.clients.sharding import wrap
+    from harness import wrap_parallel as wrap  # beside this script: spawned ranks run it as __mp_main__
 
     torch.set_num_threads(1)
     cuda = spec["device"] == "cuda"
