@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import psutil
-from harness import free_port, fresh_out, write_results  # beside this script, first on sys.path
+from harness import Tracked, free_port, fresh_out, write_results  # beside this script, first on sys.path
 from rich.console import Console
 from rich.table import Table
 from safetensors.numpy import load_file
@@ -45,8 +45,6 @@ from nebula_fl.storage.checkpoint import parse_pointer, read_checkpoint
 from nebula_fl.storage.run_folder import RunFolder
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from tests.conftest import Tracked  # noqa: E402  records every descendant of a launcher while it lives
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "faults"
 RUN_TIMEOUT_S = 900  # a whole federation of a scenario; a hang past it is a failure, and stopped

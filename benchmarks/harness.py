@@ -1,21 +1,35 @@
 """What every benchmark does around a federation: a fresh results folder, the run (nebula-fl or stock Flower),
-its records, results.json and a table.
+its records, results.json and a table; and every piece of nebula-fl's internals a benchmark needs.
 
-This is the only benchmark code that imports `nebula_fl.launcher` (tests/test_harness.py checks it). A
-nebula-fl federation starts through its public command line, `nebula-fl run`. A stock Flower federation starts
-with Flower's own commands under the launcher's own process environment (`child_env`: Flower's SuperExec poll,
-telemetry and update checks off, offline Hugging Face) and its supervision (`ProcessSet`: every process tree
-stopped, the children Flower starts in new sessions included), imported rather than copied: a baseline that
-runs in an environment of its own measures that environment, and a copy would drift from the launcher's.
-The trainer's inner loop is not here: baselines that train as a cluster does take it from the public
-`nebula_fl.training`.
+This is the only benchmark code that imports `nebula_fl.launcher`, `nebula_fl.clients` or `nebula_fl.server`
+(tests/test_harness.py scans every other script, lazy imports included, and checks that this file's reaches stay
+in the import block at the top); no benchmark imports the test suite. A nebula-fl federation starts through its
+public command line, `nebula-fl run`. A stock Flower federation starts with Flower's own commands under the
+launcher's own process environment (`child_env`: Flower's SuperExec poll, telemetry and update checks off, offline
+Hugging Face) and its supervision (`ProcessSet`: every process tree stopped, the children Flower starts in new
+sessions included), imported rather than copied: a baseline that runs in an environment of its own measures that
+environment, and a copy would drift from the launcher's. The trainer's inner loop is not here: baselines that
+train as a cluster does take it from the public `nebula_fl.training`.
+
+Re-exported for the benchmarks, each the nebula-fl object itself (not a copy), so a benchmark measures what runs:
+
+- `WanCounters` (nebula_fl.server.wan_counters): the per-round bytes of the WAN proxies, counted as nebula-fl's
+  ServerApp counts them (the stock Flower app counts with it; `StockFederation` puts this folder on its
+  PYTHONPATH).
+- `SERVER_APP_SOURCE`: the file of nebula-fl's ServerApp (nebula_fl.server.app), for a benchmark that reads a
+  setting from the code that sets it.
+
+Here, not re-exported from elsewhere: `Tracked`, a `nebula-fl` command line whose every descendant is recorded
+while it lives (the fault benchmark kills some and checks that none outlives the run).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,13 +42,21 @@ from typing import Any
 import psutil
 from rich.table import Table
 
+# -- nebula-fl's internals: every reach of the benchmarks below its public API is in this block -----------
 from nebula_fl.launcher.federation import child_env
 from nebula_fl.launcher.plan import free_port, parse_run_config, port_free
 from nebula_fl.launcher.processes import Managed, ProcessSet
-from nebula_fl.wan.service import query_proxy
+from nebula_fl.launcher.watchdog import same_process_start
+from nebula_fl.server.wan_counters import WanCounters
+from nebula_fl.wan.service import query_proxy  # public: the WAN proxy's control socket
 
-__all__ = ["StockFederation", "flower_env", "free_port", "fresh_out", "metrics_lines", "parse_run_config",
+__all__ = ["SERVER_APP_SOURCE", "StockFederation", "Tracked", "WanCounters", "flower_env",
+           "free_port", "fresh_out", "metrics_lines", "parse_run_config",
            "read_run", "run_federation", "table", "write_results"]
+
+HERE = Path(__file__).resolve().parent
+SERVER_APP_SOURCE = Path(importlib.util.find_spec("nebula_fl.server.app").origin)  # read, not imported
+"""nebula-fl's ServerApp module file (nebula_fl/server/app.py), for reading a setting from the code that sets it."""
 
 POLL_S = 0.5  # how often a stock federation's processes and records are looked at
 LEFTOVER_SETTLE_S = 5.0  # orphaned children are reaped by init a moment after their parent dies
@@ -97,6 +119,100 @@ def metrics_lines(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+class Tracked:
+    """`nebula-fl ARGS` in `cwd`, its output in `log`, and every descendant it shows recorded while it lives (`seen`:
+    pid -> (start time, command line)), so that a killed or hung run can be stopped whole and none outlives it.
+    (The suite's run_cli fixture stops its federations with this class too; tests/conftest.py.)"""
+
+    def __init__(self, args: list[str], *, cwd: Path, log: Path) -> None:
+        self.log = log
+        self.handle = log.open("w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.popen = subprocess.Popen([sys.executable, "-m", "nebula_fl", *args], cwd=cwd, stdout=self.handle,
+                                      stderr=subprocess.STDOUT, env=env)
+        self.seen: dict[int, tuple[float, str]] = {}
+        # every (pid, command line) a descendant showed, whatever its start-time reading: a clock adjustment
+        # between two readings must not hide the command a child exec'd into
+        self.shown: set[tuple[int, str]] = set()
+
+    def poll_tree(self) -> None:
+        """Record every descendant alive now, with its latest command line."""
+        try:
+            root = psutil.Process(self.popen.pid)
+            for proc in root.children(recursive=True):
+                try:  # the latest command line: a child caught between its fork and its exec shows its parent's
+                    created = proc.create_time()
+                    command = " ".join(proc.cmdline())
+                    self.shown.add((proc.pid, command))
+                    if same_process_start(self.seen.get(proc.pid, (created,))[0], created):
+                        self.seen[proc.pid] = (created, command)
+                except psutil.Error:
+                    pass
+        except psutil.NoSuchProcess:
+            pass
+
+    @property
+    def commands(self) -> list[str]:
+        """Every command line seen, once per process that showed it."""
+        return [command for _, command in sorted(self.shown)]
+
+    def wait(self, timeout: float, until: Callable[[], bool] | None = None) -> int:
+        """The exit status (-1 once `until()` holds first); past `timeout` the run is stopped and AssertionError
+        raised with the end of its log."""
+        deadline = time.monotonic() + timeout
+        while self.popen.poll() is None:
+            self.poll_tree()
+            if until is not None and until():
+                return -1
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"CLI did not finish in {timeout} s; log:\n{self.output()[-3000:]}")
+            time.sleep(0.25)
+        self.handle.close()
+        return self.popen.returncode
+
+    def stop(self, grace: float = 60.0) -> None:
+        """Ctrl-C the launcher (it stops what it started), then kill whatever of its recorded descendants lives."""
+        self.poll_tree()
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGINT)
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        for pid, (created, _) in self.seen.items():
+            try:
+                proc = psutil.Process(pid)
+                if same_process_start(proc.create_time(), created):
+                    proc.kill()
+            except psutil.Error:
+                pass
+        if not self.handle.closed:
+            self.handle.close()
+
+    def output(self) -> str:
+        if not self.handle.closed:
+            self.handle.flush()
+        return self.log.read_text(errors="replace")
+
+    def survivors(self, settle: float = 3.0) -> list[str]:
+        """Descendants still running (not zombies) after the CLI exited, waiting up to `settle` s for them to go."""
+        deadline = time.monotonic() + settle
+        while True:
+            alive = []
+            for pid, (created, cmd) in self.seen.items():
+                try:
+                    proc = psutil.Process(pid)
+                    if same_process_start(proc.create_time(), created) and proc.status() != psutil.STATUS_ZOMBIE:
+                        alive.append(f"{pid}: {cmd}")
+                except psutil.NoSuchProcess:
+                    pass
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.2)
+
+
 # -- a stock Flower federation -------------------------------------------------------------------------
 def flower_env(home: Path, *, pythonpath: Sequence[Path] = (), extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment nebula-fl's launcher gives every Flower process it starts, under FLWR_HOME `home`, with
@@ -117,7 +233,8 @@ class StockFederation:
             fed.run("num-server-rounds=3")
             fed.wait(timeout_s=600)  # until `flwr run` exits
 
-    Cluster i is told `partition-id=i num-partitions=CLUSTERS` (its --node-config). A process that dies, a
+    The app's processes find APP, then this module (alone: FOLDER/.flwr/pythonpath/harness.py links here), first
+    on PYTHONPATH. Cluster i is told `partition-id=i num-partitions=CLUSTERS` (its --node-config). A process that dies, a
     service that does not come up and a wait that runs out raise RuntimeError naming the log to read.
     """
 
@@ -133,7 +250,8 @@ class StockFederation:
         self.app, self.folder, self.clusters, self.link = app, Path(folder).resolve(), clusters, link
         self.up_timeout_s = up_timeout_s
         self.home = self.folder / ".flwr"
-        self.env = flower_env(self.home, pythonpath=[app], extra=env)
+        self.shim = self.home / "pythonpath"  # this file alone (a link), for an app that imports harness
+        self.env = flower_env(self.home, pythonpath=[app, self.shim], extra=env)
         self.port = 0
         self.controls: list[Path] = []  # the proxies' control sockets, in cluster order (none without a link)
         self.procs = ProcessSet()
@@ -155,6 +273,9 @@ class StockFederation:
         """The SuperLink (up once it listens), each proxy (up once it answers) and each SuperNode."""
         self.folder.mkdir(parents=True, exist_ok=True)
         self.home.mkdir(exist_ok=True)
+        self.shim.mkdir(exist_ok=True)
+        if not (self.shim / "harness.py").exists():
+            (self.shim / "harness.py").symlink_to(HERE / "harness.py")
         self.port = free_port()
         (self.home / "config.toml").write_text(
             f'[superlink]\ndefault = "local"\n[superlink.local]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n')

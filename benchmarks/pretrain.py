@@ -163,8 +163,9 @@ def parse_device(text: str, precision: str) -> torch.device:
 @dataclass(frozen=True)
 class Ranks:
     """How each cluster's model trains inside the cluster: `world` ranks (this one is `rank`), the model wrapped by
-    nebula-fl's `sharding.wrap` (`fsdp`: each rank holds a shard; `ddp`: each a whole copy). `ddp` with one worker
-    is this process alone, as the benchmark always ran; anything else is a spawned process group."""
+    nebula-fl's `model.sharding.wrap` (`fsdp`: each rank holds a shard; `ddp`: each a whole
+    copy). `ddp` with one worker is this process alone, as the benchmark always ran; anything else is a spawned
+    process group."""
 
     parallel: str = "ddp"
     world: int = 1

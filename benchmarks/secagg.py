@@ -65,13 +65,12 @@ from typing import Any
 import psutil
 
 # harness and secagg_legacy_run: beside this script, first on sys.path
-from harness import flower_env, fresh_out, metrics_lines, run_federation, write_results
+from harness import SERVER_APP_SOURCE, flower_env, fresh_out, metrics_lines, run_federation, write_results
 from rich.console import Console
 from rich.table import Table
 from safetensors import safe_open
 from secagg_legacy_run import run_legacy
 
-import nebula_fl.server.app as server_app
 import nebula_fl.strategies.secure_aggregation as secure_strategy
 from nebula_fl.config import PRESETS, default_run_config
 from nebula_fl.strategies.base import NebulaStrategy
@@ -100,9 +99,9 @@ def nebula_polling() -> dict[str, Any]:
     environment already sets FLWR_SUPEREXEC_TASK_POLL_INTERVAL).
     """
     default = inspect.signature(NebulaStrategy.start).parameters["poll_interval"].default
-    passed = _keyword_values(Path(server_app.__file__), "poll_interval", call="start")
+    passed = _keyword_values(SERVER_APP_SOURCE, "poll_interval", call="start")
     if passed is None or any(isinstance(v, str) for v in passed) or len(set(passed)) > 1:
-        raise SystemExit(f"cannot read the poll_interval nebula-fl's ServerApp uses from {server_app.__file__} "
+        raise SystemExit(f"cannot read the poll_interval nebula-fl's ServerApp uses from {SERVER_APP_SOURCE} "
                          f"(`.start(` calls pass {passed}); update nebula_polling() in {__file__}")
     stage = _keyword_values(Path(secure_strategy.__file__), "poll_interval", call="exchange") or []
     return {"server_pull_s": float(passed[0]) if passed else float(default),

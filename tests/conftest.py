@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from nebula_fl.model.tiny import build_tiny_model
@@ -76,94 +74,9 @@ def same_start(a: float, b: float) -> bool:
     return same_process_start(a, b)
 
 
-class Tracked:
-    """A CLI run whose every descendant is recorded while it lives, to check none outlives it."""
-
-    def __init__(self, args: list[str], *, cwd: Path, log: Path) -> None:
-        self.log = log
-        self.handle = log.open("w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.popen = subprocess.Popen(nebula_cmd(*args), cwd=cwd, stdout=self.handle, stderr=subprocess.STDOUT, env=env)
-        self.seen: dict[int, tuple[float, str]] = {}
-        # every (pid, command line) a descendant showed, whatever its start-time reading: a clock adjustment
-        # between two readings must not hide the command a child exec'd into
-        self.shown: set[tuple[int, str]] = set()
-
-    def poll_tree(self) -> None:
-        try:
-            root = psutil.Process(self.popen.pid)
-            for proc in root.children(recursive=True):
-                try:  # the latest command line: a child caught between its fork and its exec shows its parent's
-                    created = proc.create_time()
-                    command = " ".join(proc.cmdline())
-                    self.shown.add((proc.pid, command))
-                    if same_start(self.seen.get(proc.pid, (created,))[0], created):
-                        self.seen[proc.pid] = (created, command)
-                except psutil.Error:
-                    pass
-        except psutil.NoSuchProcess:
-            pass
-
-    @property
-    def commands(self) -> list[str]:
-        """Every command line seen, once per process that showed it (a child between its fork and its exec shows
-        its parent's: count distinct lines, not entries, to count processes started with a command)."""
-        return [command for _, command in sorted(self.shown)]
-
-    def wait(self, timeout: float, until=None) -> int:
-        deadline = time.monotonic() + timeout
-        while self.popen.poll() is None:
-            self.poll_tree()
-            if until is not None and until():
-                return -1
-            if time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"CLI did not finish in {timeout} s; log:\n{self.output()[-3000:]}")
-            time.sleep(0.25)
-        self.handle.close()
-        return self.popen.returncode
-
-    def stop(self, grace: float = 60.0) -> None:
-        """A failed test must not orphan the federation: Ctrl-C the launcher (it stops what it started),
-        then kill whatever of its recorded descendants is still alive."""
-        self.poll_tree()
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGINT)
-            try:
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        for pid, (created, _) in self.seen.items():
-            try:
-                proc = psutil.Process(pid)
-                if same_start(proc.create_time(), created):
-                    proc.kill()
-            except psutil.Error:
-                pass
-        if not self.handle.closed:
-            self.handle.close()
-
-    def output(self) -> str:
-        if not self.handle.closed:
-            self.handle.flush()
-        return self.log.read_text(errors="replace")
-
-    def survivors(self, settle: float = 3.0) -> list[str]:
-        """Descendants still running (not zombies) after the CLI exited."""
-        deadline = time.monotonic() + settle
-        while True:
-            alive = []
-            for pid, (created, cmd) in self.seen.items():
-                try:
-                    proc = psutil.Process(pid)
-                    if same_start(proc.create_time(), created) and proc.status() != psutil.STATUS_ZOMBIE:
-                        alive.append(f"{pid}: {cmd}")
-                except psutil.NoSuchProcess:
-                    pass
-            if not alive or time.monotonic() > deadline:
-                return alive
-            time.sleep(0.2)
+# A CLI run whose every descendant is recorded while it lives, to check none outlives it: the benchmarks' own
+# (the fault benchmark kills some), so the suite and the benchmarks stop a federation the same way.
+Tracked = load_script("nebula_benchmarks_harness", REPO / "benchmarks" / "harness.py").Tracked
 
 
 @pytest.fixture

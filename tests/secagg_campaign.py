@@ -34,7 +34,7 @@ rebuilds of the same key shares are memoised across schedules; every stage still
 before it replies.
 
     .venv/bin/python -m tests.secagg_campaign    # the fixed schedules and a short search, control and protocol
-    .venv/bin/python benchmarks/secagg_campaign.py --quick
+    .venv/bin/python -m tests.secagg_campaign_report --quick
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""A short, deterministic pass of benchmarks/fuzz.py over every decoder and validator of untrusted input:
+"""A short, deterministic pass of tests/fuzz_wire.py over every decoder and validator of untrusted input:
 each rejects bad input with its documented error only (no crash), and accepts nothing that breaks its promise."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import REPO, load_script
+from tests import fuzz_wire as fuzz
 
-fuzz = load_script("nebula_benchmarks_fuzz", REPO / "benchmarks" / "fuzz.py")
 EXAMPLES = {"codec-blob": 300, "config-flat": 200, "config-text": 200, "trainer-frame": 200, "checkpoint": 80,
             "uplink-arrays": 120, "layout-json": 200, "privacy-request": 150, "secagg-stage": 300, "secagg-replies": 150}
 

@@ -4,7 +4,7 @@ cluster stages, its knowledge rebuilt from the real bytes and judged by the clos
 Control (`rotate_keys=False`, one mask key an epoch): the search finds real recoveries. Protocol (a mask key bound to
 one round): a few hundred random schedules, an exhaustive sweep at n,t = 3,2 / 4,3 / 5,3, a sparse graph, two epochs
 and a colluder determine nothing below the threshold; the issue-30 schedule and its stale-key variant end in
-refusals or in a rebuilt key that masks nothing. The long campaign: benchmarks/secagg_campaign.py."""
+refusals or in a rebuilt key that masks nothing. The long campaign: tests/secagg_campaign_report.py."""
 
 from __future__ import annotations
 

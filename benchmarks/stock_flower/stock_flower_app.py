@@ -29,7 +29,8 @@ nebula-fl's `child_env`, which sets Flower's own SuperExec poll knob to 0.1 s.)
 
 Measurement only, no behaviour: with `wan-control` (the WAN proxies' control sockets, one per cluster
 in partition order) the ServerApp reads the proxies' counters after each evaluation with nebula-fl's
-own `WanCounters`, so both sides count alike, and every evaluation appends one line to
+own `WanCounters` (through benchmarks/harness.py, which StockFederation puts on the app's PYTHONPATH), so
+both sides count alike, and every evaluation appends one line to
 `out-dir/metrics.jsonl` (`elapsed_seconds` from the ServerApp's start, `seconds` since the previous
 line, per-cluster `wan_*` fields, `cumulative_wan_bytes`).
 """
@@ -55,7 +56,6 @@ from nebula_fl.model.batches import TokenizedTexts
 from nebula_fl.model.evaluation import evaluate
 from nebula_fl.model.loading import build_classifier, build_model, load_tokenizer
 from nebula_fl.model.locate import resolve_model_path
-from nebula_fl.server.wan_counters import WanCounters
 from nebula_fl.tasks import Task, TaskSetup, make_task
 from nebula_fl.training import BatchSchedule, scheduled_lr, train_steps
 
@@ -174,6 +174,8 @@ def main(grid: Grid, context: Context) -> None:
     out = Path(str(cfg["out-dir"]))
     out.mkdir(parents=True, exist_ok=True)
     log = out / "metrics.jsonl"
+    from harness import WanCounters  # benchmarks/harness.py: StockFederation puts it on PYTHONPATH
+
     counters = WanCounters.from_config(str(cfg["wan-control"]))
     last = {"time": started, "cumulative_wan_bytes": 0}
 

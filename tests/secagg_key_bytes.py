@@ -9,9 +9,10 @@ in-memory grid), in a steady round (round 2: every cluster uploaded round 1), as
 in the messages: the same bytes Flower carries between processes, less its framing. The rest of what secure
 aggregation adds to an upload (self-mask shares, commitments, receipt) is given beside it for scale.
 
-    .venv/bin/python benchmarks/secagg_keys.py      # a few seconds
+    .venv/bin/python -m tests.secagg_key_bytes      # a few seconds
 
-Writes results.json under --out (default benchmarks/results/secagg_keys/) and prints a table.
+Writes results.json under --out (default benchmarks/results/secagg_keys/) and prints a table. It lives beside the
+tests (it drives the cluster stages through tests/secagg_harness.py, as they do); run it from the repository root.
 """
 
 from __future__ import annotations
@@ -19,20 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from nebula_fl.config import SecAggConfig
+from nebula_fl.secagg.wire import unpack_upload
+from tests.secagg_harness import make_federation, run_round  # the in-memory grid the protocol tests use
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # tests/secagg_harness.py: the in-memory grid the protocol tests use
-
-from harness import table, write_results  # noqa: E402  (beside this script)
-from rich.console import Console  # noqa: E402
-
-from nebula_fl.config import SecAggConfig  # noqa: E402
-from nebula_fl.secagg.wire import unpack_upload  # noqa: E402
-from tests.secagg_harness import make_federation, run_round  # noqa: E402
 
 SETTINGS = [(3, 0), (8, 0), (16, 0), (16, 5)]  # (clusters, secagg.num-shares; 0 = every other cluster)
 SHAPES = {"a": (64,)}
@@ -80,16 +79,19 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(n, k, Path(tmp) / f"{n}-{k}") for n, k in SETTINGS]
-    out = table("Per-round mask keys: bytes per cluster per round (round 2, medians over clusters)",
-                ("clusters", "num-shares", "neighbours", "key bytes down", "key bytes up", "per neighbour",
-                 "other secagg head bytes up", "trips for keys"))
+    out = Table(title="Per-round mask keys: bytes per cluster per round (round 2, medians over clusters)")
+    for column in ("clusters", "num-shares", "neighbours", "key bytes down", "key bytes up", "per neighbour",
+                   "other secagg head bytes up", "trips for keys"):
+        out.add_column(column, justify="right")
     for r in rows:
         out.add_row(str(r["clusters"]), str(r["num_shares"] or "all"), f"{r['neighbours']:g}",
                       f"{r['key_bytes_down']:,.0f}", f"{r['key_bytes_up']:,.0f}", f"{r['key_bytes_per_neighbour']:,.0f}",
                       f"{r['other_head_bytes_up']:,.0f}", str(r["key_trips"] + r["setup_trips"]))
     Console().print(out)
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"wrote {write_results(args.out, {'benchmark': 'secagg_keys', 'settings': rows})}")
+    path = args.out / "results.json"
+    path.write_text(json.dumps({"benchmark": "secagg_keys", "settings": rows}, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

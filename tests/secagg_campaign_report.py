@@ -9,12 +9,14 @@ which must not): seeded random schedules, and an exhaustive sweep of 3-round sch
 (round set, view pattern, forwarding, key naming, recover timing; it holds the issue-30 schedule and its stale-key
 variant). The fixed schedules (issue 30, its stale-key variants, the control's finding) are played too.
 
-    .venv/bin/python benchmarks/secagg_campaign.py             # 200 random schedules a setting, 14-move sweep
-    .venv/bin/python benchmarks/secagg_campaign.py --quick     # 40 random a setting, 6-move sweep, ~2 min
-    .venv/bin/python benchmarks/secagg_campaign.py --schedules 2000 --seed 7
+    .venv/bin/python -m tests.secagg_campaign_report             # 200 random schedules a setting, 14-move sweep
+    .venv/bin/python -m tests.secagg_campaign_report --quick     # 40 random a setting, 6-move sweep, ~2 min
+    .venv/bin/python -m tests.secagg_campaign_report --schedules 2000 --seed 7
 
 Prints a table and the first findings, writes results.json (default benchmarks/results/secagg_campaign/), and exits
-0 even when the protocol leaks: it is a report; tests/test_secagg_campaign.py runs a short pass as the gate.
+0 even when the protocol leaks: it is a report; tests/test_secagg_campaign.py runs a short pass as the gate. It lives
+beside the driver and the tests that gate it (it plays schedules on the cluster's own stages); run it from the
+repository root.
 """
 
 from __future__ import annotations
@@ -28,9 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from tests.secagg_campaign import (  # noqa: E402  the campaign's driver lives beside the tests that gate it
+from tests.secagg_campaign import (
     MEDIUM_MENU,
     ROUNDS,
     SMALL_MENU,
@@ -45,6 +45,7 @@ from tests.secagg_campaign import (  # noqa: E402  the campaign's driver lives b
     sweep_size,
 )
 
+REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "secagg_campaign" / "results.json"
 RANDOM_SETTINGS = [Setting(3, 2), Setting(4, 3), Setting(5, 3), Setting(5, 2, num_shares=3), Setting(3, 2, epochs=2),
                    Setting(4, 3, colluders=("3",)), Setting(5, 4, colluders=("4",)), Setting(4, 3, premade=False)]

@@ -8,12 +8,14 @@ config that does not round-trip, a layout whose size is not the product of its s
 from Hypothesis under a fixed seed, so a run is reproducible; each target mixes random input with
 valid input damaged in targeted ways (truncated, bytes flipped, lengths and JSON fields changed).
 
-    .venv/bin/python benchmarks/fuzz.py            # 30,000 inputs, ~2 min on 2 cores
-    .venv/bin/python benchmarks/fuzz.py --quick    # 1,500 inputs, ~10 s
-    .venv/bin/python benchmarks/fuzz.py --only codec-blob,trainer-frame --seed 3
+    .venv/bin/python -m tests.fuzz_wire            # 30,000 inputs, ~2 min on 2 cores
+    .venv/bin/python -m tests.fuzz_wire --quick    # 1,500 inputs, ~10 s
+    .venv/bin/python -m tests.fuzz_wire --only codec-blob,trainer-frame --seed 3
 
 Prints a table and the first crashes, writes results.json (default benchmarks/results/fuzz/), and
 exits 0 even when it found crashes: it is a report; tests/test_fuzz.py runs a short pass as the gate.
+It lives beside the tests (it drives the trainer's wire protocol, the privacy gate, the secure-aggregation
+stage and tests/secagg_adversary.py directly, as tests do); run it from the repository root.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from harness import parse_run_config  # beside this script, first on sys.path: the CLI's --run-config parser
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 from hypothesis import strategies as st
 
@@ -51,10 +52,12 @@ from nebula_fl.components import load
 from nebula_fl.compression import CodecError, Compressor, Layout, available_codecs, parse_spec
 from nebula_fl.config import RunConfig
 from nebula_fl.errors import NebulaError
+from nebula_fl.launcher.plan import parse_run_config  # the CLI's --run-config parser
 from nebula_fl.secagg.evidence import json_map
 from nebula_fl.storage.run_folder import RunFolder
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "fuzz" / "results.json"
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "fuzz" / "results.json"
 KEEP = 5  # crashing inputs kept per target in results.json
 QUICK_DIVISOR = 20
 REPR_LIMIT = 400
@@ -805,7 +808,6 @@ def check_admission(case: Case, admission: Any) -> str | None:
 
 # -- secure aggregation: the cluster's stage, and the server's reading of replies ------------------------
 
-REPO = Path(__file__).resolve().parents[1]
 SECAGG_T = 3  # 4 clusters, threshold 3, the complete graph: every cluster holds every other's shares
 
 
@@ -813,7 +815,6 @@ SECAGG_T = 3  # 4 clusters, threshold 3, the complete graph: every cluster holds
 def secagg_epoch(workdir: str):
     """A key epoch over 4 real cluster stages, round 1 masked (tests/secagg_adversary.py): every case starts a
     stage from its state just after that upload."""
-    sys.path.insert(0, str(REPO))
     from tests.secagg_adversary import Epoch
 
     return Epoch(Path(workdir) / "secagg", n=4, threshold=SECAGG_T)
