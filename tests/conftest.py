@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -122,9 +123,43 @@ def take_off_path(folder: Path, *modules: str) -> None:
     importlib.invalidate_caches()
 
 
+# Federations several test modules read, each started once per session (a module needing one names it as a
+# fixture; under pytest-xdist its tests share an xdist_group, so one worker runs it).
+SHARED_FEDERATIONS = ("causal_lm_secure_federation",)
+
+
 def pytest_collection_modifyitems(items) -> None:
-    """A test that launches `nebula-fl run` (the run_cli fixture) is an end-to-end one: marked so that
-    `pytest -m "not e2e"` (`make test-fast`) iterates on the rest; `make test` runs them all."""
+    """A test that launches `nebula-fl run` (the run_cli fixture) or reads a shared federation is an end-to-end one:
+    marked so that `pytest -m "not e2e"` (`make test-fast`) iterates on the rest; `make test` runs them all."""
     for item in items:
-        if "run_cli" in getattr(item, "fixturenames", ()):
+        names = getattr(item, "fixturenames", ())
+        if "run_cli" in names or any(name in names for name in SHARED_FEDERATIONS):
             item.add_marker(pytest.mark.e2e)
+        for name in SHARED_FEDERATIONS:
+            if name in names:
+                item.add_marker(pytest.mark.xdist_group(name))
+
+
+@dataclass
+class Federation:
+    """A finished shared run: the launcher (its output, its descendants), its exit status and its folder."""
+
+    cli: Tracked
+    code: int
+    out: Path
+
+
+@pytest.fixture(scope="session")
+def causal_lm_secure_federation(tmp_path_factory):
+    """`--task causal-lm --preset smoke` over 3 clusters under secure aggregation, client-level DP, the random-k codec
+    and Flower's FedAdam: test_causal_lm_e2e checks the run, test_generate generates from its folder."""
+    folder = tmp_path_factory.mktemp("causal-lm-secure")
+    out = folder / "secure"
+    dp = 'privacy.mode="client" privacy.noise-multiplier=0.5 privacy.max-grad-norm=0.5 privacy.max-epsilon=100'
+    cli = Tracked(["run", "--task", "causal-lm", "--preset", "smoke", "--clusters", "3", "--port", "0", "--out",
+                   str(out), "--secure-aggregation", "--codec", "randk:0.25", "--outer-optimizer", "flwr:FedAdam",
+                   "--run-config", dp], cwd=folder, log=folder / "secure.log")
+    try:
+        yield Federation(cli=cli, code=cli.wait(480), out=out)
+    finally:
+        cli.stop()

@@ -3,8 +3,10 @@
 
 - LoRA instruction tuning under secure aggregation, client-level DP, the random-k codec and Flower's FedAdam;
 - pre-training on plain text, every weight exchanged, under top-k + int4 both ways and Nesterov outer steps,
-  interrupted after round 1 and resumed: it ends on the very model of the same run left alone, the run folder
-  holds the whole model, and exact match (none: no answers) is written as null."""
+  interrupted after round 1 and resumed: the run folder holds the whole model, its last checkpoint the exchanged
+  weights, and exact match (none: no answers) is written as null. That a resumed run ends on the very model of the
+  same run left alone (codec views, error feedback, the outer optimizer's state) is checked once, in
+  tests/test_e2e.py, under the same codec and outer optimizer."""
 
 from __future__ import annotations
 
@@ -41,14 +43,11 @@ def _built(out):
     return task, task.build_model(setup)
 
 
-def test_lora_tuning_under_secure_aggregation_client_dp_randk_and_fedadam(run_cli, tmp_path):
-    out = tmp_path / "secure"
-    dp = 'privacy.mode="client" privacy.noise-multiplier=0.5 privacy.max-grad-norm=0.5 privacy.max-epsilon=100'
-    cli = run_cli("run", "--task", "causal-lm", "--preset", "smoke", "--clusters", "3", "--port", "0", "--out",
-                  str(out), "--secure-aggregation", "--codec", "randk:0.25", "--outer-optimizer", "flwr:FedAdam",
-                  "--run-config", dp, name="secure")
-    assert cli.wait(480) == 0, cli.output()[-4000:]
-    assert cli.survivors() == []
+def test_lora_tuning_under_secure_aggregation_client_dp_randk_and_fedadam(causal_lm_secure_federation):
+    run = causal_lm_secure_federation  # started once for this module and test_generate (tests/conftest.py)
+    out = run.out
+    assert run.code == 0, run.cli.output()[-4000:]
+    assert run.cli.survivors() == []
     summary, _ = records(out)
     lines = _strict_lines(out)
     assert summary["status"] == "completed" and summary["task"] == "causal-lm" and summary["metric"] == "loss"
@@ -66,9 +65,18 @@ def test_lora_tuning_under_secure_aggregation_client_dp_randk_and_fedadam(run_cl
     assert set(adapter) == set(task.exchanged(built)) and all("lora_" in k for k in adapter)
     assert {k.split(".")[-3] for k in adapter} == {"q_proj", "v_proj"}
     assert max(float(np.abs(v).max()) for k, v in adapter.items() if "lora_B" in k) > 0  # B starts at 0: it moved
+    # a Flower strategy under secure aggregation: it saw only sums and used them, its moments checkpointed
+    assert "outer optimizer flwr:FedAdam: Flower's FedAdam (" in (out / "logs" / "server.log").read_text()
+    assert [x["secagg"]["unmasked_round"] for x in lines] == [1, 2]
+    g1, g2 = (load_file(str(out / "checkpoint" / f"round-0000{r}" / "adapter.safetensors")) for r in (1, 2))
+    assert any(not np.array_equal(g1[k], g2[k]) for k in g1)  # the global adapter moved
+    state = json.loads((out / "checkpoint" / "round-00002" / "state.json").read_text())["state"]["strategy"]
+    while "inner" in state:
+        state = state["inner"]
+    assert state["name"] == "flwr:FedAdam" and set(state["outer"]) >= {"m_t", "v_t", "current_arrays"}
 
 
-def test_full_pretraining_on_plain_text_with_topk_int4_and_nesterov_resumes_to_the_same_model(run_cli, tmp_path):
+def test_full_pretraining_on_plain_text_with_topk_int4_and_nesterov_is_interrupted_and_resumed(run_cli, tmp_path):
     rng = np.random.default_rng(0)
     words = ["market", "film", "vote", "goal", "chip", "bank", "actor", "party", "match", "phone", "shares"]
     corpus = tmp_path / "corpus.txt"
@@ -76,8 +84,7 @@ def test_full_pretraining_on_plain_text_with_topk_int4_and_nesterov_resumes_to_t
     args = ["run", "--task", "causal-lm", "--preset", "smoke", "--clusters", "2", "--port", "0", "--rounds", "3",
             "--codec", "topk:0.25+int4", "--outer-optimizer", "nesterov",
             "--run-config", f'dataset="{corpus}" task.exchange="full" task.objective="pretrain"']
-    out, reference = tmp_path / "run", tmp_path / "reference"
-    straight = run_cli(*args, "--out", str(reference), name="reference")
+    out = tmp_path / "run"
     first = run_cli(*args, "--out", str(out), name="first")
     assert first.wait(420, until=lambda: len(rounds_of(out)) >= 1) == -1, first.output()[-3000:]
     first.popen.send_signal(signal.SIGINT)
@@ -87,8 +94,7 @@ def test_full_pretraining_on_plain_text_with_topk_int4_and_nesterov_resumes_to_t
     assert "final loss" in first.output()
     second = run_cli("run", "--resume", str(out), "--port", "0", name="resume")
     assert second.wait(420) == 0, second.output()[-3000:]
-    assert straight.wait(420) == 0, straight.output()[-3000:]
-    assert first.survivors() == [] and second.survivors() == [] and straight.survivors() == []
+    assert first.survivors() == [] and second.survivors() == []
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and rounds_of(out) == [1, 2, 3]
     lines = _strict_lines(out)
@@ -102,7 +108,3 @@ def test_full_pretraining_on_plain_text_with_topk_int4_and_nesterov_resumes_to_t
     assert set(final) == set(task.exchanged(built))
     for key, value in final.items():
         np.testing.assert_array_equal(model[key], value, err_msg=key)
-    alone = load_file(str(reference / "model.safetensors"))
-    for key in alone:
-        np.testing.assert_allclose(model[key], alone[key], rtol=0, atol=1e-6, err_msg=key)
-    assert json.loads((reference / "summary.json").read_text())["final_loss"] == pytest.approx(summary["final_loss"])

@@ -1,18 +1,47 @@
-"""Bad input: one clear line on stderr, exit status 2, and no run folder written."""
+"""Bad input: one clear line on stderr, exit status 2, and no run folder written.
 
+The refusals run `nebula_fl.cli.main` in-process (what `nebula-fl` calls; no interpreter to start per case); one
+case runs the real command, so the process's exit status and stderr are checked as a user sees them."""
+
+import contextlib
+import io
+import os
 import socket
 import subprocess
+from dataclasses import dataclass
 
 import pytest
 
+from nebula_fl.cli import main
 from tests.conftest import nebula_cmd
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def cli(cwd, *args) -> Result:
+    """`nebula-fl ARGS` in-process, from `cwd`: its exit status (argparse's SystemExit included) and output."""
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else 2
+    finally:
+        os.chdir(here)
+    return Result(code, out.getvalue(), err.getvalue())
 
 
 def run_cli(tmp_path, *args):
     out = tmp_path / "run"
-    proc = subprocess.run(nebula_cmd("run", "--out", str(out), "--port", "0", *args), capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
-    return proc, out
+    return cli(tmp_path, "run", "--out", str(out), "--port", "0", *args), out
 
 
 def assert_one_line_error(proc, out, *fragments):
@@ -23,6 +52,13 @@ def assert_one_line_error(proc, out, *fragments):
     for fragment in fragments:
         assert fragment in lines[0]
     assert not out.exists()
+
+
+def test_the_real_command_exits_2_with_one_line(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(nebula_cmd("run", "--out", str(out), "--port", "0", "--run-config", "local-step=3"),
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert_one_line_error(proc, out, "unknown config key 'local-step'", "did you mean 'local-steps'")
 
 
 def test_unknown_config_key(tmp_path):
@@ -68,8 +104,7 @@ def test_port_already_in_use(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = subprocess.run(nebula_cmd("run", "--out", str(tmp_path / "run"), "--port", str(port)),
-                              capture_output=True, text=True, timeout=120)
+        proc = cli(tmp_path, "run", "--out", str(tmp_path / "run"), "--port", str(port))
     assert_one_line_error(proc, tmp_path / "run", f"port {port}", "in use")
 
 
@@ -81,13 +116,12 @@ def test_malformed_run_config_string(tmp_path):
 def test_existing_run_folder_is_not_overwritten(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.json").write_text("{}")
-    proc = subprocess.run(nebula_cmd("run", "--out", str(tmp_path / "run"), "--port", "0"), capture_output=True,
-                          text=True, timeout=120)
+    proc = cli(tmp_path, "run", "--out", str(tmp_path / "run"), "--port", "0")
     assert proc.returncode == 2 and "already holds a run" in proc.stderr
     assert (tmp_path / "run" / "config.json").read_text() == "{}"
 
 
 @pytest.mark.parametrize("args", [["--socket", "x.sock"], ["--socket", "x.sock", "--data", "a", "--dataset", "b"]])
 def test_trainer_needs_exactly_one_data_source(tmp_path, args):
-    proc = subprocess.run(nebula_cmd("trainer", *args), capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    proc = cli(tmp_path, "trainer", *args)
     assert proc.returncode == 2 and "exactly one of --data" in proc.stderr

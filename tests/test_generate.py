@@ -206,12 +206,12 @@ def test_moved_base_model_needs_model_flag(edited, capsys):
     assert generate_json(capsys, edited) == {**before, "model": "minilm"}
 
 
-def test_smoke_federation_generates_like_transformers(run_cli, tmp_path, capsys):
-    """A real `--task causal-lm --preset smoke` federation's folder: generate's tuned completions are the
-    reference's (PEFT adapter on a transformers Llama), token for token."""
-    out = tmp_path / "smoke"
-    cli = run_cli("run", "--task", "causal-lm", "--preset", "smoke", "--port", "0", "--out", str(out))
-    assert cli.wait(420) == 0, cli.output()[-4000:]
+def test_a_federations_folder_generates_like_transformers(causal_lm_secure_federation, capsys):
+    """A real causal-lm smoke federation's folder (the shared one of tests/conftest.py: secure aggregation, client
+    DP, random-k, FedAdam): generate's tuned completions are the reference's (PEFT adapter on a transformers Llama),
+    token for token."""
+    out = causal_lm_secure_federation.out
+    assert causal_lm_secure_federation.code == 0, causal_lm_secure_federation.cli.output()[-4000:]
     result = generate_json(capsys, out)
     model, tokenizer, flat = reference_model(out)
     tuned_model = with_adapter(model, out, flat)
