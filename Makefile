@@ -30,12 +30,17 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: $(STAMP) lint
-	$(PY) -m pytest -q
+# Tests run on TEST_WORKERS processes (pytest-xdist); a federation's tests that share one run stay on one worker
+# (loadgroup). The 15 slowest are listed at the end, so the slow end of the suite stays in sight.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
-# everything but the end-to-end federations (marked e2e), for iterating; CI runs `make test`
+test: $(STAMP) lint
+	$(PYTEST)
+
+# everything that starts no federation (tests marked e2e are left out), for iterating; CI runs `make test`
 test-fast: $(STAMP) lint
-	$(PY) -m pytest -q -m "not e2e"
+	$(PYTEST) -m "not e2e"
 
 bench: $(STAMP)
 	$(PY) benchmarks/centralized_vs_federated.py
