@@ -6,7 +6,8 @@ import numpy as np
 
 from nebula_fl.clients.outgoing import released
 from nebula_fl.clients.protocol import unpack
-from nebula_fl.clients.trainer_service import IN_THE_CLEAR, Boundary, Round, TrainerOptions, describe
+from nebula_fl.clients.release import Round
+from nebula_fl.clients.trainer_service import IN_THE_CLEAR, Boundary, TrainerOptions, describe
 from nebula_fl.config import RunConfig
 from nebula_fl.data.datasets import TextDataset
 from nebula_fl.privacy.policy import PrivacyPolicy
@@ -24,18 +25,19 @@ def _boundary(tmp_path, policy: PrivacyPolicy) -> Boundary:
 
 def _refusal(boundary: Boundary, config: dict) -> dict:
     rnd = Round(config=config, arrays={}, federation="fed", number=1)
-    admission = boundary.gate.admit(config, world=1, secure_threshold=2 if "secagg-epoch" in config else None)
+    release = boundary.release
+    admission = release.gate.admit(config, world=1, secure_threshold=2 if "secagg-epoch" in config else None)
     assert not admission.allowed
     try:
-        boundary._decline(rnd, admission, admission.refusal)
+        release._decline(rnd, admission, admission.refusal)
     except Exception as answer:  # Answer: the frame the round is answered with, as it leaves (released)
-        return unpack(released(answer.frame, secure=boundary._secure(config)))[0]["metrics"]
+        return unpack(released(answer.frame, secure=release.secure(config)))[0]["metrics"]
     raise AssertionError("a refused round was not answered")
 
 
 def test_hello_names_the_cluster_and_its_hardware_and_nothing_of_its_data(tmp_path):
     boundary = _boundary(tmp_path, PrivacyPolicy(mode="sample", min_noise_multiplier=1.0))
-    said = boundary.describe()
+    said = {k: v for k, v in unpack(boundary._answer_now("hello", {}))[0].items() if k != "ok"}
     assert said == describe(boundary.opts) == {"cluster_id": 3, "workers": 1, "device": "cpu", "precision": "auto",
                                                "parallel": "ddp", "privacy_mode": "sample"}
     assert {k.replace("_", "-") for k in said} <= set(IN_THE_CLEAR)

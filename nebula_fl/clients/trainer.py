@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nebula_fl.clients.exchange import Exchange, privatize_update
+from nebula_fl.clients.exchange import Exchange
 from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr, train_steps
 from nebula_fl.clients.overlap import (
     Ahead,
@@ -46,6 +46,7 @@ from nebula_fl.clients.proximal import ProximalTerm, attach, proximal_penalty
 from nebula_fl.clients.reply_cache import FEDERATION_ID
 from nebula_fl.clients.sharding import load_optimizer_state, local_optimizer_state, wrap
 from nebula_fl.clients.snapshots import SnapshotStore
+from nebula_fl.compression.compressor import Selection
 from nebula_fl.config import ModelConfig, PrivacyConfig, TrainConfig
 from nebula_fl.data.datasets import TextDataset
 from nebula_fl.devices import DP_REFUSED, resolve_precision
@@ -107,7 +108,8 @@ class ClusterTrainer:
     # -- the round loop ----------------------------------------------------------------------------
     def train_round(self, config: dict[str, Any], payload: Arrays, admission: Admission) -> tuple[Arrays, dict[str, Any]]:
         """Train the round's steps from the global arrays (or, overlapped, from this cluster's own weights); return
-        (update, metrics). Same call on every rank.
+        (the raw update, metrics). Same call on every rank; rank 0's pipeline (``release.py``) privatizes and
+        encodes the update, then every rank keeps the round or drops it (`commit`).
 
         `admission` is the privacy gate's verdict (rank 0 decided it before the round reached the ranks):
         the mechanism to run, never the server's raw request.
@@ -141,13 +143,9 @@ class ClusterTrainer:
         else:
             self.anchor = None
             self.unapplied.clear()
-        privacy_metrics: dict[str, Any] = {}
-        if admission.mode == "client" and self.ctx.rank == 0:
-            update, privacy_metrics = privatize_update(update, admission)
         stats = torch.tensor([float(np.nanmean(losses)), _checksum(after)], dtype=torch.float64)
         gathered = [torch.zeros_like(stats) for _ in range(self.ctx.world)]
         dist.all_gather(gathered, stats, group=self.ctx.control)
-        out, encode_seconds = self._encode(update, config)
         self.exchange.keep_view(view, server_round)
         self.round = server_round
         self.last_config, self.last_train, self.last_admission = config, train_cfg, admission
@@ -163,7 +161,6 @@ class ClusterTrainer:
             "steps": len(losses),
             "train-loss": float(np.mean([float(g[0]) for g in gathered])),
             "seconds": float(seconds),
-            "encode-seconds": float(encode_seconds),
             "workers": int(self.ctx.world),
             "device": self.ctx.device.type,
             "precision": self.precision,
@@ -171,12 +168,8 @@ class ClusterTrainer:
             "rank-divergence": float(max(abs(s - sums[0]) for s in sums)),
             **busy(busy_s=busy_s, since_send_s=since_send),
         }
-        if self.up is not None and self.ctx.rank == 0:
-            metrics["codec-up"] = self.up.describe()["spec"]
-            metrics["update-bytes"] = int(out["blob"].size) if "blob" in out else 0
-        metrics.update(privacy_metrics)
         metrics.update(prox_metrics)
-        return out, metrics
+        return update, metrics
 
     # -- training ahead (overlapped rounds) --------------------------------------------------------
     def wants_ahead(self) -> int:
@@ -297,28 +290,13 @@ class ClusterTrainer:
 
         return keep_going
 
-    def _encode(self, update: Arrays, config: dict[str, Any]) -> tuple[Arrays, float]:
-        """Rank 0 encodes the update for the uplink; a failure fails the round on every rank, unkept."""
-        error, out, started = None, update, time.monotonic()
-        if "codec-up" in config and self.ctx.rank == 0:
-            try:
-                out = self.exchange.encode_up(update, config)
-            except (NebulaError, ValueError) as err:
-                error = str(err)
-        try:
-            self.agree(error)
-        except RequestError:
-            self.round = None  # the round trained but was not kept: restart from the last snapshot next time
-            raise
-        return out, time.monotonic() - started
+    def encode_up(self, update: Arrays, *, config: dict[str, Any]) -> Selection:
+        """Rank 0: the update in the round's uplink codec (its residual is this rank's state, snapshotted by
+        `commit`)."""
+        return self.exchange.encode_up(update, config)
 
-    @property
-    def layout(self):
-        return self.exchange.layout
-
-    @property
-    def up(self):
-        return self.exchange.up
+    def uplink_metrics(self, sent: Arrays) -> dict[str, Any]:
+        return self.exchange.uplink_metrics(sent)
 
     # -- per-run setup -----------------------------------------------------------------------------
     def setup(self, config: dict[str, Any], admission: Admission) -> None:
