@@ -111,7 +111,7 @@ def instrument(monkeypatch, fault: Fault, books: Books) -> None:
         return out
 
     def reply(release, rnd):
-        books.cached[rnd.number] = release.trainer.lineage
+        books.cached[rnd.request.number] = release.trainer.lineage
 
     wrap(ClusterTrainer, "_fresh_state", after=fresh)
     wrap(ClusterTrainer, "_train", after=tag)

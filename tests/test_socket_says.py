@@ -7,6 +7,7 @@ import numpy as np
 from nebula_fl.clients.outgoing import released
 from nebula_fl.clients.protocol import unpack
 from nebula_fl.clients.release import Round
+from nebula_fl.clients.round_request import RoundRequest
 from nebula_fl.clients.trainer_service import IN_THE_CLEAR, Boundary, TrainerOptions, describe
 from nebula_fl.config import RunConfig
 from nebula_fl.data.datasets import TextDataset
@@ -24,7 +25,7 @@ def _boundary(tmp_path, policy: PrivacyPolicy) -> Boundary:
 
 
 def _refusal(boundary: Boundary, config: dict) -> dict:
-    rnd = Round(config=config, arrays={}, federation="fed", number=1)
+    rnd = Round(request=RoundRequest.parse({"config": config}))
     release = boundary.release
     admission = release.gate.admit(config, world=1, secure_threshold=2 if "secagg-epoch" in config else None)
     assert not admission.allowed
@@ -67,3 +68,15 @@ def test_a_refusal_under_secure_aggregation_keeps_its_size_dependent_figures_in_
     strict = _boundary(tmp_path / "strict", PrivacyPolicy(mode="sample", min_noise_multiplier=1.0,
                                                           require_secure_aggregation=True, secagg_peers=str(roster)))
     assert set(_refusal(strict, weak)) <= set(IN_THE_CLEAR)
+
+
+def test_a_masked_round_in_a_codec_whose_sum_the_server_cannot_decode_is_refused_before_training(tmp_path):
+    """Masking takes the uplink codec's values as the server sums them: only a linear chain's do (as the server's
+    SecAggWrapper demands); a server that asks for another is told so, plainly, and nothing is trained."""
+    boundary = _boundary(tmp_path, PrivacyPolicy())  # (trainer=None: a round that reached the ranks would fail)
+    config = {**RunConfig().to_flat(), "federation-id": "fed", "server-round": 1, "secagg-epoch": "1",
+              "local-steps": 5, "codec-seed": 3}
+    for codec in ("topk:0.1", "randk:0.1+int8", None):
+        asked = config if codec is None else {**config, "codec-up": codec}
+        header = unpack(boundary.release.run({"op": "train", "config": asked}))[0]
+        assert not header["ok"] and "needs a linear uplink codec" in header["error"]

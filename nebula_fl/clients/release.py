@@ -36,7 +36,8 @@ import numpy as np
 from nebula_fl.clients.exchange import privatize_update
 from nebula_fl.clients.outgoing import PLAIN, released
 from nebula_fl.clients.protocol import pack
-from nebula_fl.clients.reply_cache import FEDERATION_ID, ReplyCache
+from nebula_fl.clients.reply_cache import ReplyCache
+from nebula_fl.clients.round_request import BadRequest, RoundRequest
 from nebula_fl.clients.secagg_stage import SecAggRefusal
 from nebula_fl.clients.trainer_options import TrainerOptions, log
 from nebula_fl.errors import NebulaError
@@ -59,12 +60,9 @@ class Answer(Exception):
 
 @dataclass
 class Round:
-    """One train request on its way through `Release.run`."""
+    """One train request on its way through `Release.run`: the request, and what each stage made of it."""
 
-    config: dict[str, Any]
-    arrays: dict[str, Any]
-    federation: str
-    number: int
+    request: RoundRequest
     plan: Any = None  # secure aggregation's plan for the round (clients/secagg_stage.py), when it is masked
     admission: Any = None  # the privacy gate's verdict
     update: dict[str, Any] = field(default_factory=dict)
@@ -90,7 +88,7 @@ class Release:
         try:
             rnd = self._read(header)
             self._replayed(rnd)
-            rnd.riding = self._answer_riding(header)  # round-overlap: the last round's unmask, whatever becomes of this
+            self._answer_riding(rnd)  # round-overlap: the last round's unmask, whatever becomes of this round
             self._admit(rnd)
             self._train(rnd)
             self._privatize(rnd)
@@ -117,63 +115,60 @@ class Release:
 
     # -- the stages, in order --------------------------------------------------------------------
     def _read(self, header: dict[str, Any]) -> Round:
-        """read: a config object, a federation id that can name a folder, a round number."""
-        config, arrays = header.get("config"), header.get("arrays", {})
-        if not isinstance(config, dict):
-            raise Answer(self.error("the request has no config object", plain=True))
-        fed, number = config.get("federation-id"), config.get("server-round")
-        if not isinstance(fed, str) or not FEDERATION_ID.fullmatch(fed):
-            raise Answer(self.error(f"federation id {fed!r} is not a plain name of letters, digits, '-' and '_'",
-                                    plain=True))
-        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
-            raise Answer(self.error(f"server-round {number!r} is not a round number (an integer >= 1)", plain=True))
-        return Round(config=config, arrays=arrays, federation=fed, number=number)
+        """read: the request, parsed once (`RoundRequest`: a config object, a plain federation id, a round number)."""
+        try:
+            return Round(request=RoundRequest.parse(header))
+        except BadRequest as err:
+            raise Answer(self.error(str(err), plain=True)) from None
 
     def _replayed(self, rnd: Round) -> None:
         """replay: a round already released is answered with the very reply it was sent; the past is never
         trained again."""
-        cached = self.cache.get(rnd.federation, rnd.number)
+        req = rnd.request
+        cached = self.cache.get(req.federation, req.number)
         if cached:
-            log(self.opts, f"round {rnd.number} of federation {rnd.federation} asked again: the reply it was sent, "
+            log(self.opts, f"round {req.number} of federation {req.federation} asked again: the reply it was sent, "
                            "from the cache")
             raise Answer(cached)
         if cached is not None:
-            raise Answer(self.error(f"round {rnd.number} of federation {rnd.federation} was released already and its "
+            raise Answer(self.error(f"round {req.number} of federation {req.federation} was released already and its "
                                     "reply is no longer kept; a round is never released twice", plain=True))
-        done = self.cache.released(rnd.federation)
-        if done and done[-1] > rnd.number:
-            raise Answer(self.error(f"round {rnd.number} of federation {rnd.federation} is older than round "
+        done = self.cache.released(req.federation)
+        if done and done[-1] > req.number:
+            raise Answer(self.error(f"round {req.number} of federation {req.federation} is older than round "
                                     f"{done[-1]}, which this cluster already released; it never trains the past "
                                     "again", plain=True))
 
-    def _answer_riding(self, header: dict[str, Any]) -> dict[str, Any]:
-        """{"secagg": answer} when the request carries the last round's unmask request (round-overlap), else {}.
+    def _answer_riding(self, rnd: Round) -> None:
+        """riding: `rnd.riding` is {"secagg": answer} when the request carries the last round's unmask request
+        (round-overlap), else {}.
 
         Answered by the stage (its every check, `SecAggStage.answer_riding`) before this round is checked or
         trained, so a round refused by the policy or the gate still carries it back; a cached round is answered
         from the cache before this runs, with the answer it carried the first time."""
-        if header.get("secagg") is None:
-            return {}
-        answer = self.secagg.answer_riding(header["secagg"])
-        request = header["secagg"] if isinstance(header["secagg"], dict) else {}
-        log(self.opts, f"round {request.get('round')}: unmask (riding) "
+        riding = rnd.request.riding
+        if riding is None:
+            return
+        answer = self.secagg.answer_riding(riding)
+        said = riding if isinstance(riding, dict) else {}
+        log(self.opts, f"round {said.get('round')}: unmask (riding) "
                        + (f"refused: {answer['refused']}" if "refused" in answer else
                           f"answered ({len(answer.get('self-from', []))} share(s))"))
-        return {"secagg": answer}
+        rnd.riding = {"secagg": answer}
 
     def _admit(self, rnd: Round) -> None:
         """admit: the operator's masking demand, the secure-aggregation checks, then the privacy gate (policy and
         ledger) decide whether, and with which mechanism, the round runs."""
-        config = rnd.config
+        config = rnd.request.config
         if why := self.secagg.requirement_refusal(config):  # the operator demands masking: refused as its policy
             self._decline(rnd, refuse(why), "policy", data_free=True)
-        if "secagg-epoch" in config:  # a securely aggregated round: checked before anything is trained
+        if rnd.request.masked:  # a securely aggregated round: checked before anything is trained
             if config.get("local-steps") == "auto":
                 # how many steps fit a time budget is a timing of this cluster's own, and under per-example DP (a
                 # logical batch of n/8) it grows with n: a masked round never says it
                 raise Answer(self.error("local-steps = \"auto\" under secure aggregation: a cluster's step count "
                                         "could tell its data size; use a fixed local-steps", plain=True))
-            codec = str(config.get("codec-up", ""))
+            codec = rnd.request.codec_up or ""
             if len(codec.split("+")) != 1 or codec.split(":")[0] not in LINEAR_CODECS:
                 # what is masked is the codec's values as the server sums them: only a linear chain's sum decodes
                 raise Answer(self.error(f"secure aggregation needs a linear uplink codec ('none' or 'randk:RATIO'), "
@@ -191,8 +186,8 @@ class Release:
         """A refused round's reply. Under secure aggregation (`released`) it follows the round replies' rule and the
         gate's reason (its δ, σ floor and ε figures come from the cluster's size) stays in the log; `data_free`: the
         reason names only the operator's requirement, said as it is."""
-        log(self.opts, f"round {rnd.number} declined ({why}): {admission.reason}")
-        metrics = self.gate.refusal(admission, federation=rnd.federation, cluster_id=self.opts.cluster_id)
+        log(self.opts, f"round {rnd.request.number} declined ({why}): {admission.reason}")
+        metrics = self.gate.refusal(admission, federation=rnd.request.federation, cluster_id=self.opts.cluster_id)
         raise Answer(pack({"ok": True, "metrics": metrics, **rnd.riding, **({PLAIN: True} if data_free else {})}))
 
     def _train(self, rnd: Round) -> None:
@@ -202,16 +197,17 @@ class Release:
 
         from nebula_fl.clients.trainer import RequestError
 
-        dist.broadcast_object_list([(ROUND, rnd.config, rnd.arrays, rnd.admission)], src=0,
+        req = rnd.request
+        dist.broadcast_object_list([(ROUND, req.config, req.arrays, rnd.admission)], src=0,
                                    group=self.trainer.ctx.control)
         try:
-            rnd.update, rnd.metrics = self.trainer.train_round(rnd.config, rnd.arrays, rnd.admission)
+            rnd.update, rnd.metrics = self.trainer.train_round(req.config, req.arrays, rnd.admission)
         except (RequestError, NebulaError) as err:  # e.g. "N examples for W workers": masked, only the fact leaves
             raise Answer(self.error(str(err), plain=False)) from None
         m = rnd.metrics
         cycle = m.get("since-send-seconds")
         busy = f", busy {m['busy-seconds'] / cycle:.0%} of {cycle:.1f} s since the last send" if cycle else ""
-        log(self.opts, f"round {rnd.number}: loss {m['train-loss']:.4f}, {m['steps']} step(s), {m['seconds']:.1f} s"
+        log(self.opts, f"round {req.number}: loss {m['train-loss']:.4f}, {m['steps']} step(s), {m['seconds']:.1f} s"
                        f"{busy}, rank divergence {m['rank-divergence']:g}")
 
     def _privatize(self, rnd: Round) -> None:
@@ -225,9 +221,9 @@ class Release:
         """encode: the round's uplink codec, when it names one; a failure is `rnd.failed` (nothing is charged, and
         `_persist` drops the round on every rank)."""
         started = time.monotonic()
-        if "codec-up" in rnd.config:
+        if rnd.request.codec_up is not None:
             try:
-                selection = self.trainer.encode_up(rnd.update, config=rnd.config)
+                selection = self.trainer.encode_up(rnd.update, config=rnd.request.config)
             except (NebulaError, ValueError) as err:
                 rnd.failed = str(err)
                 return
@@ -242,12 +238,13 @@ class Release:
         the error, is `rnd.failed`: `_persist` then drops the round on every rank."""
         if rnd.failed:
             return
+        req = rnd.request
         try:
             if rnd.admission.mode == "sample":
                 rnd.admission = dataclasses.replace(rnd.admission, steps=int(rnd.metrics["steps"]))
-            self.gate.charge(federation=rnd.federation, server_round=rnd.number, admission=rnd.admission)
+            self.gate.charge(federation=req.federation, server_round=req.number, admission=rnd.admission)
         except Exception as err:  # a LedgerError, an OSError, anything: the round's training was not charged
-            rnd.failed = (f"round {rnd.number} could not be charged to the privacy ledger ({err}); nothing was "
+            rnd.failed = (f"round {req.number} could not be charged to the privacy ledger ({err}); nothing was "
                           "released and the round is dropped")
 
     def _persist(self, rnd: Round) -> None:
@@ -270,7 +267,7 @@ class Release:
             rnd.update = {"blob": self.secagg.mask(rnd.plan, values=rnd.selected, weight=weight)}
         except (SecAggRefusal, NebulaError, ValueError) as err:  # e.g. an update holding NaN: about the data
             raise Answer(self.error(str(err), plain=False)) from None
-        rnd.metrics["secagg-keys-held"] = int(self.secagg.holds_keys(rnd.federation, rnd.plan.epoch))
+        rnd.metrics["secagg-keys-held"] = int(self.secagg.holds_keys(rnd.request.federation, rnd.plan.epoch))
 
     def _reply(self, rnd: Round) -> bytes:
         """reply: under DP the figures computed from the data stay here, under secure aggregation all but what
@@ -278,8 +275,8 @@ class Release:
         metrics = rnd.metrics
         if rnd.admission.mode != "off":  # only the noised update is protected
             metrics = {k: v for k, v in metrics.items() if k not in DATA_DEPENDENT}
-        metrics.update(self.gate.metrics(rnd.admission, federation=rnd.federation))
-        frame = released(pack({"ok": True, "metrics": metrics, **rnd.riding}, rnd.update),
-                         secure=self.secure(rnd.config))
-        self.cache.put(rnd.federation, rnd.number, frame)  # a replay gets these bytes: the same unmask answer too
+        req = rnd.request
+        metrics.update(self.gate.metrics(rnd.admission, federation=req.federation))
+        frame = released(pack({"ok": True, "metrics": metrics, **rnd.riding}, rnd.update), secure=self.secure(req.config))
+        self.cache.put(req.federation, req.number, frame)  # a replay gets these bytes: the same unmask answer too
         return frame
