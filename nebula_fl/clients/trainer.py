@@ -1,8 +1,9 @@
 """One worker (rank) of a cluster's persistent trainer: builds the task's model once per run, trains rounds.
 
 What is trained is a ``Task`` (``nebula_fl/tasks/``): it builds the model, tokenises the shard, gives the loss,
-and says what crosses the WAN. This file is the round loop around it; what a round receives and sends (codecs,
-views, client-level DP) is ``exchange.py``, the per-round snapshots ``snapshots.py``.
+and says what crosses the WAN. This file is the round loop around it: a round returns the raw update, which rank
+0's pipeline (``release.py``) privatizes and encodes; what a round receives and sends (codecs, views, client-level
+DP) is ``exchange.py``, what its reply says ``round_metrics.py``, the per-round snapshots ``snapshots.py``.
 
 Every rank of the cluster runs the same calls in the same order; gradients are averaged by DDP (or FSDP), and
 the few decisions that could differ between ranks (a request that fails to set up) are agreed on
@@ -13,7 +14,7 @@ Inner-optimizer state (AdamW moments), the batch stream and each rank's RNG pers
 as in DiLoCo, and are snapshotted after every round this cluster trains, once its release is charged
 (``commit``: write-ahead, ledger then snapshot then reply; ``snapshots.py``): a restarted trainer continues
 from its newest snapshot, which the ledger always covers. What the server may ask is decided before a
-round reaches the ranks, by rank 0's privacy gate and reply cache (``trainer_service.py``).
+round reaches the ranks, by rank 0's privacy gate and reply cache (``release.py``).
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ from nebula_fl.clients.overlap import (
     Ahead,
     Unapplied,
     ahead_usable,
-    busy,
     global_round_of,
     steps_ahead,
     steps_on_arrival,
 )
-from nebula_fl.clients.proximal import ProximalTerm, attach, proximal_penalty
+from nebula_fl.clients.proximal import ProximalTerm, attach, prox_metrics
 from nebula_fl.clients.reply_cache import FEDERATION_ID
+from nebula_fl.clients.round_metrics import round_metrics
 from nebula_fl.clients.sharding import load_optimizer_state, local_optimizer_state, wrap
 from nebula_fl.clients.snapshots import SnapshotStore
 from nebula_fl.compression.compressor import Selection
@@ -116,6 +117,22 @@ class ClusterTrainer:
         """
         server_round = int(config["server-round"])
         train_cfg, global_arrays, view = self._start_round(config, payload, admission)
+        losses, seconds = self._round_steps(server_round, train_cfg, admission)
+        busy_s = seconds + self.ahead.seconds
+        after = self.task.exchanged(self.model_core)
+        base = self.anchor if self.anchor is not None else global_arrays
+        update = {k: (after[k] - np.asarray(base[k], dtype=np.float32)).astype(np.float32) for k in after}
+        prox = prox_metrics(self.proximal, after=after, received=global_arrays)
+        self._rebase(server_round, update, global_arrays, overlap=train_cfg.round_overlap)
+        rank_losses, rank_sums = self._rank_stats(losses, after)
+        since_send = self._close_round(server_round, view, config=config, train_cfg=train_cfg, admission=admission)
+        metrics = round_metrics(ctx=self.ctx, steps=len(losses), logical_batch=self.logical_batch,
+                                rank_losses=rank_losses, rank_sums=rank_sums, seconds=seconds,
+                                precision=self.precision, busy_s=busy_s, since_send_s=since_send)
+        return update, {**metrics, **prox}
+
+    def _round_steps(self, server_round: int, train_cfg: TrainConfig, admission: Admission) -> tuple[list[float], float]:
+        """The round's losses (what was trained ahead, then the steps left) and the seconds the steps left took."""
         if admission.mode != "off" and self.ahead.steps == 0:  # (trained ahead: seeded when that began)
             _fresh_noise_seed()
         started = time.monotonic()
@@ -126,50 +143,38 @@ class ClusterTrainer:
             seconds=train_cfg.round_seconds if todo is None else None)
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
-        seconds = time.monotonic() - started
-        busy_s = seconds + self.ahead.seconds
-        after = self.task.exchanged(self.model_core)
-        base = self.anchor if self.anchor is not None else global_arrays
-        update = {k: (after[k] - np.asarray(base[k], dtype=np.float32)).astype(np.float32) for k in after}
-        prox_metrics = {} if self.proximal is None else {
-            "prox-mu": self.proximal.mu,  # and the term's value at the round's end, (mu / 2) ||w - w_g||^2
-            "prox-term": float(proximal_penalty([torch.from_numpy(after[k]) for k in after],
-                                                [torch.from_numpy(np.asarray(global_arrays[k])) for k in after],
-                                                mu=self.proximal.mu))}
-        if train_cfg.round_overlap:  # the progress no global holds yet, kept on the new one (clients/overlap.py)
+        return losses, time.monotonic() - started
+
+    def _rebase(self, server_round: int, update: Arrays, global_arrays: Arrays, *, overlap: bool) -> None:
+        """Overlapped, the progress no global holds yet is kept on the new one (clients/overlap.py): the model goes
+        on from there; otherwise the next round starts from its global."""
+        if overlap:
             self.unapplied.keep(server_round, update)
             self.anchor = self.unapplied.base(global_arrays, global_round=self.global_round)
             self.task.load_exchanged(self.model_core, self.anchor)
         else:
             self.anchor = None
             self.unapplied.clear()
+
+    def _rank_stats(self, losses: list[float], after: Arrays) -> tuple[list[float], list[float]]:
+        """Every rank's mean loss and weight checksum (ranks in sync give bit-identical sums)."""
         stats = torch.tensor([float(np.nanmean(losses)), _checksum(after)], dtype=torch.float64)
         gathered = [torch.zeros_like(stats) for _ in range(self.ctx.world)]
         dist.all_gather(gathered, stats, group=self.ctx.control)
+        return [float(g[0]) for g in gathered], [float(g[1]) for g in gathered]
+
+    def _close_round(self, server_round: int, view: np.ndarray | None, *, config: dict[str, Any],
+                     train_cfg: TrainConfig, admission: Admission) -> float | None:
+        """The round is the last trained (kept, snapshotted, only by `commit`, once rank 0 charged it); returns the
+        seconds since the last one was sent (None: the first of this process)."""
         self.exchange.keep_view(view, server_round)
         self.round = server_round
         self.last_config, self.last_train, self.last_admission = config, train_cfg, admission
-        self.ahead = Ahead()  # (kept, snapshotted, only by `commit`, once rank 0 charged the round)
+        self.ahead = Ahead()
         now = time.monotonic()
         since_send = None if self.sent_at is None else now - self.sent_at
         self.sent_at = now
-        sums = [float(g[1]) for g in gathered]
-        metrics = {
-            "cluster-id": self.ctx.cluster_id,
-            "num-examples": len(self.ctx.shard),
-            "examples-seen": int(len(losses) * self.logical_batch),  # expected, under sample DP
-            "steps": len(losses),
-            "train-loss": float(np.mean([float(g[0]) for g in gathered])),
-            "seconds": float(seconds),
-            "workers": int(self.ctx.world),
-            "device": self.ctx.device.type,
-            "precision": self.precision,
-            "parallel": self.ctx.parallel,
-            "rank-divergence": float(max(abs(s - sums[0]) for s in sums)),
-            **busy(busy_s=busy_s, since_send_s=since_send),
-        }
-        metrics.update(prox_metrics)
-        return update, metrics
+        return since_send
 
     # -- training ahead (overlapped rounds) --------------------------------------------------------
     def wants_ahead(self) -> int:
