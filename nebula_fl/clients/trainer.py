@@ -322,19 +322,7 @@ class ClusterTrainer:
                           train_cfg.batch_size, self.logical_batch, task_name, options], sort_keys=True)
         if key == self.setup_key:
             return
-        targets = task_class(task_name).targets
-        if self.ctx.shard.targets != targets:
-            raise RequestError(
-                f"cluster {self.ctx.cluster_id} read its labels as {self.ctx.shard.targets}, but task '{task_name}' "
-                f"predicts {targets}; restart its trainer with --targets {targets}"
-            )
-        names = self.ctx.shard.label_names
-        unknown = [n for n in names if n not in labels]
-        if unknown:
-            raise RequestError(
-                f"cluster {self.ctx.cluster_id} holds labels {unknown} that the federation does not know "
-                f"({labels}); relabel the data or add them on the server"
-            )
+        targets = self._check_shard(task_name, labels)
         federation_id = str(config["federation-id"])
         if not FEDERATION_ID.fullmatch(federation_id):
             # it names this cluster's snapshot folder: never let the server pick a path
@@ -342,34 +330,61 @@ class ClusterTrainer:
         self.precision = resolve_precision(self.ctx.precision, device_kind=self.ctx.device.type,
                                            privacy_mode=admission.mode)
         self.task: Task = make_task(task_name, options)
+        self._check_mechanism(task_name, admission)
+        self.labels = _labels_as(targets, shard=self.ctx.shard, labels=labels)
+        self.federation_id = federation_id
+        self.snapshots = SnapshotStore(self.ctx.state_dir / "snapshots" / federation_id)
+        self.seed = int(config["seed"])
+        self._build_model(TaskSetup(model=model_cfg, labels=labels, seed=self.seed, path=self.ctx.model_path,
+                                    privacy_mode=asked.mode, device=self.ctx.device),
+                          server_fingerprint=str(config.get("frozen-fingerprint", "")))
+        self.mode = admission.mode
+        self.exchange = Exchange(initial=self.task.exchanged(self.model_core), cluster_id=self.ctx.cluster_id)
+        self._build_optimizer(train_cfg, admission)
+        self.data = self._rank_examples()
+        self.setup_key = key
+        self.round = None
+        self.state_valid = False
+
+    def _check_shard(self, task_name: str, labels: list[Any]) -> str:
+        """The shard fits the task (its kind of targets, returned) and the federation (every label known)."""
+        targets = task_class(task_name).targets
+        if self.ctx.shard.targets != targets:
+            raise RequestError(
+                f"cluster {self.ctx.cluster_id} read its labels as {self.ctx.shard.targets}, but task '{task_name}' "
+                f"predicts {targets}; restart its trainer with --targets {targets}"
+            )
+        unknown = [n for n in self.ctx.shard.label_names if n not in labels]
+        if unknown:
+            raise RequestError(
+                f"cluster {self.ctx.cluster_id} holds labels {unknown} that the federation does not know "
+                f"({labels}); relabel the data or add them on the server"
+            )
+        return targets
+
+    def _check_mechanism(self, task_name: str, admission: Admission) -> None:
+        """The admitted privacy mechanism runs on this cluster's parallelism and the task."""
         if admission.mode == "sample" and self.ctx.parallel == "fsdp":
             raise RequestError(f"cluster {self.ctx.cluster_id}: {DP_REFUSED}")
         if admission.mode not in self.task.privacy_modes:
             raise RequestError(f"task '{task_name}' does not support privacy mode '{admission.mode}' "
                                f"(it supports {', '.join(self.task.privacy_modes)})")
-        if targets == "values":
-            self.labels = np.asarray(self.ctx.shard.labels, dtype=np.float32)
-        elif targets == "text":
-            self.labels = self.ctx.shard.labels
-        else:
-            remap = np.array([labels.index(n) for n in names], dtype=np.int64)
-            self.labels = remap[self.ctx.shard.labels]
-        self.federation_id = federation_id
-        self.snapshots = SnapshotStore(self.ctx.state_dir / "snapshots" / federation_id)
-        self.seed = int(config["seed"])
-        self.task_setup = TaskSetup(model=model_cfg, labels=labels, seed=self.seed, path=self.ctx.model_path,
-                                    privacy_mode=asked.mode, device=self.ctx.device)
-        self.tokenizer = self.task.tokenizer(self.task_setup)
-        self.model_core = self.task.build_model(self.task_setup).to(self.ctx.device)
-        mine_fp, theirs_fp = self.task.fingerprint(self.model_core), str(config.get("frozen-fingerprint", ""))
-        if mine_fp != theirs_fp:
+
+    def _build_model(self, task_setup: TaskSetup, *, server_fingerprint: str) -> None:
+        """The task's tokenizer and model, which must be the server's (its frozen LoRA A's fingerprint)."""
+        self.task_setup = task_setup
+        self.tokenizer = self.task.tokenizer(task_setup)
+        self.model_core = self.task.build_model(task_setup).to(self.ctx.device)
+        mine_fp = self.task.fingerprint(self.model_core)
+        if mine_fp != server_fingerprint:
             raise RequestError(
                 f"cluster {self.ctx.cluster_id}'s frozen LoRA A (fingerprint {mine_fp[:12] or 'none'}) differs from the "
-                f"server's ({theirs_fp[:12] or 'none'}): the two sides build different models; use the same model "
-                "files, lora-* keys and seed on both sides"
+                f"server's ({server_fingerprint[:12] or 'none'}): the two sides build different models; use the same "
+                "model files, lora-* keys and seed on both sides"
             )
-        self.mode = admission.mode
-        self.exchange = Exchange(initial=self.task.exchanged(self.model_core), cluster_id=self.ctx.cluster_id)
+
+    def _build_optimizer(self, train_cfg: TrainConfig, admission: Admission) -> None:
+        """The inner optimizer (DP-SGD's under sample DP), the proximal pull attached, its initial state kept."""
         if self.mode == "sample":
             self._setup_private(train_cfg, admission)
         else:
@@ -379,6 +394,9 @@ class ClusterTrainer:
         # every inner step adds the round's proximal gradient, if any, just before the update (clients/proximal.py)
         attach(self.optimizer, lambda: self.proximal)
         self.initial_optimizer_state = copy.deepcopy(self.optimizer.state_dict())
+
+    def _rank_examples(self) -> Any:
+        """This rank's share of the shard (a seeded split, the same on every restart), tokenised for training."""
         order = np.random.default_rng([self.seed, self.ctx.cluster_id]).permutation(len(self.labels))
         mine = np.sort(order[self.ctx.rank :: self.ctx.world])
         if len(mine) == 0:
@@ -386,12 +404,8 @@ class ClusterTrainer:
                 f"cluster {self.ctx.cluster_id} has {len(self.labels)} examples for {self.ctx.world} workers; "
                 "use fewer workers"
             )
-        self.data = self.task.examples(setup=self.task_setup, tokenizer=self.tokenizer,
-                                       texts=[self.ctx.shard.texts[i] for i in mine], labels=self.labels[mine],
-                                       train=True)
-        self.setup_key = key
-        self.round = None
-        self.state_valid = False
+        return self.task.examples(setup=self.task_setup, tokenizer=self.tokenizer,
+                                  texts=[self.ctx.shard.texts[i] for i in mine], labels=self.labels[mine], train=True)
 
     def _setup_private(self, train_cfg: TrainConfig, admission: Admission) -> None:
         """DP-SGD over the cluster's whole shard: Opacus shards it across the ranks and Poisson-samples it."""
@@ -510,6 +524,16 @@ class ClusterTrainer:
                     f"--parallel {self.ctx.parallel} now; restart it with --parallel {parallel}"
                 )
             self.load_state_dict(saved["ranks"][self.ctx.rank])
+
+
+def _labels_as(targets: str, *, shard: TextDataset, labels: list[Any]) -> Any:
+    """The shard's labels as the task trains on them: values, texts, or class indices in the federation's order."""
+    if targets == "values":
+        return np.asarray(shard.labels, dtype=np.float32)
+    if targets == "text":
+        return shard.labels
+    remap = np.array([labels.index(n) for n in shard.label_names], dtype=np.int64)
+    return remap[shard.labels]
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
