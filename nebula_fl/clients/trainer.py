@@ -214,7 +214,7 @@ class ClusterTrainer:
         self.proximal = None
         try:
             train_cfg = TrainConfig.from_flat(config)
-            self.setup(config, admission)
+            self.setup(config, admission, train_cfg=train_cfg)
             server_round = int(config["server-round"])
             self.last_rounds = int(config.get("num-server-rounds", server_round))
             why = ahead_usable(self.ahead, server_round=server_round, last_round=self.round, asked=admission,
@@ -304,10 +304,10 @@ class ClusterTrainer:
         return self.exchange.uplink_metrics(sent)
 
     # -- per-run setup -----------------------------------------------------------------------------
-    def setup(self, config: dict[str, Any], admission: Admission) -> None:
-        """Build the task's model, tokenised shard and fresh inner state for a federation; no-op if unchanged."""
+    def setup(self, config: dict[str, Any], admission: Admission, *, train_cfg: TrainConfig) -> None:
+        """Build the task's model, tokenised shard and fresh inner state for a federation; no-op if unchanged.
+        (`train_cfg`: the round's train section, as `_start_round` parsed it.)"""
         model_cfg = ModelConfig.from_flat(config)
-        train_cfg = TrainConfig.from_flat(config)
         labels = list(config["labels"])
         asked = PrivacyConfig.from_flat(config)
         task_name = str(config.get("task.name", "classify"))
