@@ -290,7 +290,7 @@ class QuadCluster:
             update, privacy = privatize_update(update, admission)
             self.norms.append(float(privacy["update-norm-before-clip"]))
         self.sent.append(Problem.flat(update))
-        out = self.exchange.encode_up(update, config)
+        out = {"blob": np.frombuffer(self.exchange.encode_up(update, config).blob, dtype=np.uint8).copy()}
         self.exchange.keep_view(view, server_round)
         self.round, self.last = server_round, (config, train_cfg)
         self.ahead, self.ahead_losses = Ahead(), []

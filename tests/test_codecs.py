@@ -293,6 +293,25 @@ def test_randk_positions_depend_on_the_seed_only():
                           layout=layout, seed=6)
 
 
+
+@pytest.mark.parametrize("spec", ["none", "randk:0.1", "topk:0.05", "topk:0.05+int8"])
+def test_select_hands_over_what_the_blob_decodes_to_and_encodes_as_encode_does(spec):
+    """Secure aggregation masks `select`'s values with no decode: they must be the blob's, coordinate for
+    coordinate (all of them, or random-k's), and `select` must leave the very blob and residual `encode` does."""
+    layout = demo_layout()
+    selecting, encoding = Compressor(spec, layout=layout), Compressor(spec, layout=layout)
+    first = parse_spec(spec)[0]
+    for rnd in range(3):
+        x, seed = sample(layout, rnd), 30 + rnd
+        chosen = selecting.select(x, seed=seed)
+        assert chosen.blob == encoding.encode(x, seed=seed)
+        if spec in ("none", "randk:0.1"):  # the linear chains secure aggregation takes
+            dense = Compressor.decode(chosen.blob, layout=layout, seed=seed)
+            want = dense[first.positions(layout.size, seed)] if spec.startswith("randk") else dense
+            np.testing.assert_array_equal(chosen.values, want)
+        if selecting.residual is not None:
+            np.testing.assert_array_equal(selecting.residual, encoding.residual)
+
 # -- sizes ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("spec", ALL_SPECS)

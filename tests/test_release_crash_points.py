@@ -1,7 +1,7 @@
 """Write-ahead release inside a cluster: a crash or a failure at any step boundary of a round never lets the trainer,
 restarted or not, release work its privacy ledger does not cover.
 
-One gloo rank in this process runs the real boundary (`Boundary._train`: reply cache, privacy gate, ledger,
+One gloo rank in this process runs the real boundary (`Release.run`, the round's pipeline: reply cache, privacy gate, ledger,
 `ClusterTrainer.train_round` and `commit`, snapshots) on a per-example DP policy. A fault fires once, in round 2, at
 one step boundary: `kill` is the process's death there (an exception nothing catches; the trainer is then built
 again from its state folder, as the launcher restarts it), `raise` an OSError there. The server then moves on to
@@ -24,6 +24,7 @@ import torch
 
 from nebula_fl.clients import privacy_gate
 from nebula_fl.clients.protocol import split
+from nebula_fl.clients.release import Release
 from nebula_fl.clients.reply_cache import ReplyCache
 from nebula_fl.clients.snapshots import SnapshotStore
 from nebula_fl.clients.trainer import ClusterTrainer, WorkerContext
@@ -109,8 +110,8 @@ def instrument(monkeypatch, fault: Fault, books: Books) -> None:
         fault("ledger-written")
         return out
 
-    def reply(boundary, rnd):
-        books.cached[rnd.number] = boundary.trainer.lineage
+    def reply(release, rnd):
+        books.cached[rnd.request.number] = release.trainer.lineage
 
     wrap(ClusterTrainer, "_fresh_state", after=fresh)
     wrap(ClusterTrainer, "_train", after=tag)
@@ -118,8 +119,8 @@ def instrument(monkeypatch, fault: Fault, books: Books) -> None:
     wrap(ClusterTrainer, "state_dict", after=lambda t, out: with_lineage(t, out))
     wrap(ClusterTrainer, "load_state_dict", after=restored)
     wrap(privacy_gate.PrivacyGate, "charge", before=before_charge)
-    wrap(Boundary, "_admit", after=lambda *_: fault("admitted"))
-    wrap(Boundary, "_reply", before=reply)
+    wrap(Release, "_admit", after=lambda *_: fault("admitted"))
+    wrap(Release, "_reply", before=reply)
     wrap(ClusterLedger, "record", before=lambda *_, **__: fault("ledger-write"), after=charged)
     wrap(SnapshotStore, "save", before=lambda *_, **__: fault("snapshot-write"),
          after=lambda *_, **__: fault("snapshot-written"))
@@ -167,12 +168,12 @@ class Cluster:
             rank=0, world=1, cluster_id=0, device=torch.device("cpu"), model_path=self.tiny_model,
             shard=self.opts.shard, state_dir=self.opts.state_dir, control=self.control))
         self.boundary = Boundary(self.opts, trainer)
-        self.boundary.gate.trainer = trainer
+        self.boundary.release.gate.trainer = trainer
 
     def ask(self, config: dict, arrays: dict) -> dict | None:
         """The round's reply as the server gets it; None if the trainer died (it is restarted)."""
         try:
-            frame = self.boundary._train({"op": "train", "config": config, "arrays": arrays})
+            frame = self.boundary.release.run({"op": "train", "config": config, "arrays": arrays})
         except (Killed, OSError):  # nothing catches it: rank 0 dies, and with it the trainer
             self.start()
             return None

@@ -251,15 +251,15 @@ def test_the_trainer_answers_a_riding_request_on_a_round_its_policy_declines_and
                           policy=PrivacyPolicy(require_secure_aggregation=True, secagg_peers=str(roster)))
     boundary = Boundary(opts, trainer=None)  # no round reaches the ranks here
     header = {"config": {"federation-id": "fed1", "server-round": 2}, "secagg": request}
-    first, _ = unpack(boundary._train(dict(header)))
+    first, _ = unpack(boundary.release.run(dict(header)))
     assert first["ok"] and first["metrics"]["privacy-refused"] and "requires secure aggregation" in str(first)
     assert sorted(first["secagg"]["self-from"]) == ["0", "1", "2"]
-    again, _ = unpack(boundary._train(dict(header)))
+    again, _ = unpack(boundary.release.run(dict(header)))
     assert json.dumps(again["secagg"]) == json.dumps(first["secagg"])
     restarted = SecAggStage(state_dir=tmp_path / "c0", cluster_id=0, roster=clusters[0].stage.roster)
     assert restarted.handle(dict(request)) == first["secagg"]
     lying = {**header, "secagg": {**request, "survivors": ["0", "1"], "dropped": ["2"], "signatures": "{}"}}
-    assert "unmasked already" in unpack(boundary._train(lying))[0]["secagg"]["refused"]
+    assert "unmasked already" in unpack(boundary.release.run(lying))[0]["secagg"]["refused"]
 
 
 def test_a_run_the_privacy_budget_ends_early_unmasks_its_last_round_at_once(tmp_path):

@@ -1,9 +1,10 @@
 """Nothing about a cluster's shard leaves it in the clear under secure aggregation: two clusters identical but for
 their number of examples n send byte-identical frames, apart from the masked payload.
 
-Driven through the trainer's own boundary (`Boundary._handle` and `_train`, with the real privacy gate, ledger,
-reply cache and `released`); two things stand in: the ranks (`FakeRanks`: the update encoded with the round's
-codec and the metrics `ClusterTrainer.train_round` reports, each data-dependent one a function of n), and, for
+Driven through the trainer's own boundary (its socket's `_handle` and the round's pipeline, `Release.run`, with the
+real privacy gate, ledger, client-level DP, reply cache and `released`); two things stand in: the ranks (`FakeRanks`:
+an update and the metrics `ClusterTrainer.train_round` reports, each data-dependent one a function of n, and the
+round's codec), and, for
 masked rounds, secure aggregation's stage (`StubStage`: its mask is random bytes, the weight it is given is
 recorded). A policy that demands masking uses the real stage.
 """
@@ -47,7 +48,8 @@ SETUPS = {  # policy, an admitted request, a request below the policy's floor
 
 
 class FakeRanks:
-    """The ranks' answer to a round, shaped as `ClusterTrainer.train_round`'s; `fail`: refuse it as a rank would."""
+    """The ranks' answer to a round, shaped as `ClusterTrainer.train_round`'s (the raw update), and rank 0's uplink
+    codec as `ClusterTrainer.encode_up` runs it; `fail`: refuse the round as a rank would."""
 
     def __init__(self, n: int) -> None:
         self.n, self.fail = n, False
@@ -58,19 +60,22 @@ class FakeRanks:
     def train_round(self, config, arrays, admission):
         if self.fail:
             raise RequestError(f"cluster 3 has {self.n} examples for 20000 workers; use fewer workers")
-        self.up = Compressor(str(config["codec-up"]), layout=self.layout)
-        blob = self.up.encode(np.random.default_rng(self.n).normal(0, 0.01, self.layout.size).astype(np.float32),
-                              seed=int(config["codec-seed"]))
+        update = self.layout.unflatten(np.random.default_rng(self.n).normal(0, 0.01, self.layout.size)
+                                       .astype(np.float32))
         steps = int(config["local-steps"])
         metrics = {
             "cluster-id": 3, "num-examples": self.n, "examples-seen": steps * BATCH, "steps": steps,
-            "train-loss": 1.0 / self.n, "seconds": self.n / 1e3, "encode-seconds": 0.01, "workers": 1, "device": "cpu",
+            "train-loss": 1.0 / self.n, "seconds": self.n / 1e3, "workers": 1, "device": "cpu",
             "precision": "fp32", "parallel": "ddp", "rank-divergence": 0.0, "busy-seconds": self.n / 1e3,
-            "codec-up": self.up.describe()["spec"], "update-bytes": len(blob),
         }
-        if admission.mode == "client":  # privatize_update's own figures
-            metrics.update({"update-norm-before-clip": self.n / 1e4, "clipped": 1, "noise-std": 0.5})
-        return {"blob": np.frombuffer(blob, dtype=np.uint8)}, metrics
+        return update, metrics
+
+    def encode_up(self, update, *, config):
+        self.up = Compressor(str(config["codec-up"]), layout=self.layout)
+        return self.up.select(self.layout.flatten(update), seed=int(config["codec-seed"]))
+
+    def uplink_metrics(self, sent):
+        return {"codec-up": self.up.describe()["spec"], "update-bytes": int(sent["blob"].size)}
 
     def commit(self, *, failed=None):  # the ranks keep the round once it is charged (ClusterTrainer.commit)
         if failed:
@@ -123,11 +128,11 @@ class FakeConn:
 def ask(boundary: Boundary, header: dict, arrays=None) -> bytes:
     """What the trainer sends back to one request, through the path `serve` takes."""
     conn = FakeConn(pack(header, arrays))
-    boundary._handle(SimpleNamespace(handshake=lambda raw: conn), None)
+    boundary.socket._handle(SimpleNamespace(handshake=lambda raw: conn), None)
     if header.get("op") != "train":
         return conn.sent[-1]
-    _, job = boundary.jobs.get_nowait()  # the ranks' thread: serve() sends what _train returns
-    return boundary._train(job)
+    _, job = boundary.socket.jobs.get_nowait()  # the ranks' thread: serve() sends what the round's pipeline returns
+    return boundary.release.run(job)
 
 
 def cluster(tmp_path, n: int, policy: dict, *, stub: bool = True) -> Boundary:
@@ -137,7 +142,7 @@ def cluster(tmp_path, n: int, policy: dict, *, stub: bool = True) -> Boundary:
                           shard=shard, policy=PrivacyPolicy(**policy))
     boundary = Boundary(opts, trainer=FakeRanks(n))
     if stub:
-        boundary.secagg = StubStage()
+        boundary.release.secagg = StubStage()
     return boundary
 
 
@@ -204,9 +209,9 @@ def test_the_clusters_do_differ_and_the_difference_stays_masked(tmp_path):
     policy, admitted, _ = SETUPS["sample, fixed σ"]
     boundaries = [cluster(tmp_path, n, policy) for n in SIZES]
     sent = [ask(b, request(admitted, 1), {"global": np.zeros(3, np.float32)}) for b in boundaries]
-    assert [b.secagg.weights for b in boundaries] == [[n] for n in SIZES]  # each weight went into its mask
+    assert [b.release.secagg.weights for b in boundaries] == [[n] for n in SIZES]  # each weight went into its mask
     assert head(sent[0]) == head(sent[1])
-    kept = [b.gate.metrics(b.gate.admit(request(admitted, 1)["config"], world=1), federation="fed") for b in boundaries]
+    kept = [b.release.gate.metrics(b.release.gate.admit(request(admitted, 1)["config"], world=1), federation="fed") for b in boundaries]
     assert kept[0]["delta"] != kept[1]["delta"] and kept[0]["sample-rate"] != kept[1]["sample-rate"]
 
 

@@ -6,7 +6,9 @@ import numpy as np
 
 from nebula_fl.clients.outgoing import released
 from nebula_fl.clients.protocol import unpack
-from nebula_fl.clients.trainer_service import IN_THE_CLEAR, Boundary, Round, TrainerOptions, describe
+from nebula_fl.clients.release import Round
+from nebula_fl.clients.round_request import RoundRequest
+from nebula_fl.clients.trainer_service import IN_THE_CLEAR, Boundary, TrainerOptions, describe
 from nebula_fl.config import RunConfig
 from nebula_fl.data.datasets import TextDataset
 from nebula_fl.privacy.policy import PrivacyPolicy
@@ -23,19 +25,20 @@ def _boundary(tmp_path, policy: PrivacyPolicy) -> Boundary:
 
 
 def _refusal(boundary: Boundary, config: dict) -> dict:
-    rnd = Round(config=config, arrays={}, federation="fed", number=1)
-    admission = boundary.gate.admit(config, world=1, secure_threshold=2 if "secagg-epoch" in config else None)
+    rnd = Round(request=RoundRequest.parse({"config": config}))
+    release = boundary.release
+    admission = release.gate.admit(config, world=1, secure_threshold=2 if "secagg-epoch" in config else None)
     assert not admission.allowed
     try:
-        boundary._decline(rnd, admission, admission.refusal)
+        release._decline(rnd, admission, admission.refusal)
     except Exception as answer:  # Answer: the frame the round is answered with, as it leaves (released)
-        return unpack(released(answer.frame, secure=boundary._secure(config)))[0]["metrics"]
+        return unpack(released(answer.frame, secure=release.secure(config)))[0]["metrics"]
     raise AssertionError("a refused round was not answered")
 
 
 def test_hello_names_the_cluster_and_its_hardware_and_nothing_of_its_data(tmp_path):
     boundary = _boundary(tmp_path, PrivacyPolicy(mode="sample", min_noise_multiplier=1.0))
-    said = boundary.describe()
+    said = {k: v for k, v in unpack(boundary._answer_now("hello", {}))[0].items() if k != "ok"}
     assert said == describe(boundary.opts) == {"cluster_id": 3, "workers": 1, "device": "cpu", "precision": "auto",
                                                "parallel": "ddp", "privacy_mode": "sample"}
     assert {k.replace("_", "-") for k in said} <= set(IN_THE_CLEAR)
@@ -65,3 +68,15 @@ def test_a_refusal_under_secure_aggregation_keeps_its_size_dependent_figures_in_
     strict = _boundary(tmp_path / "strict", PrivacyPolicy(mode="sample", min_noise_multiplier=1.0,
                                                           require_secure_aggregation=True, secagg_peers=str(roster)))
     assert set(_refusal(strict, weak)) <= set(IN_THE_CLEAR)
+
+
+def test_a_masked_round_in_a_codec_whose_sum_the_server_cannot_decode_is_refused_before_training(tmp_path):
+    """Masking takes the uplink codec's values as the server sums them: only a linear chain's do (as the server's
+    SecAggWrapper demands); a server that asks for another is told so, plainly, and nothing is trained."""
+    boundary = _boundary(tmp_path, PrivacyPolicy())  # (trainer=None: a round that reached the ranks would fail)
+    config = {**RunConfig().to_flat(), "federation-id": "fed", "server-round": 1, "secagg-epoch": "1",
+              "local-steps": 5, "codec-seed": 3}
+    for codec in ("topk:0.1", "randk:0.1+int8", None):
+        asked = config if codec is None else {**config, "codec-up": codec}
+        header = unpack(boundary.release.run({"op": "train", "config": asked}))[0]
+        assert not header["ok"] and "needs a linear uplink codec" in header["error"]

@@ -4,7 +4,8 @@ The server sends the global exchanged tensors (a task's adapter, or every weight
 compressed, as one blob holding either a full copy or the change since a round both sides know (the
 cluster's *view*: what it decoded last time, checked by CRC). The uplink encodes the update with the
 round's codec chain, keeping the chain's error-feedback residual across rounds. Client-level DP (clip
-and noise the update) happens here too, before encoding, with fresh OS randomness for every release.
+and noise the update, with fresh OS randomness for every release) is here too: rank 0's round pipeline
+(``release.py``) runs it before encoding.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from nebula_fl.comm.views import view_crc
 from nebula_fl.compression import CodecError, Compressor, Layout
+from nebula_fl.compression.compressor import Selection
 from nebula_fl.errors import NebulaError
 from nebula_fl.privacy.policy import Admission
 
@@ -80,9 +82,9 @@ class Exchange:
         if view is not None:
             self.view, self.view_round = view, server_round
 
-    def encode_up(self, update: Arrays, config: dict[str, Any]) -> Arrays:
-        """The update as one blob in the round's uplink codec chain (re-tuned, residual kept, when only its
-        ratio/rank/bits changed)."""
+    def encode_up(self, update: Arrays, config: dict[str, Any]) -> Selection:
+        """The update in the round's uplink codec chain (re-tuned, residual kept, when only its ratio/rank/bits
+        changed): its blob, and the values the server decodes from it (what secure aggregation masks)."""
         spec = str(config["codec-up"])
         if self.up is None or self.up.describe()["spec"] != spec:
             try:
@@ -94,8 +96,13 @@ class Exchange:
             # random-k must share the round's seed across clusters (the same indices everywhere); every
             # other codec draws its rounding noise per cluster, so the noise averages out on the server
             seed = (seed + 7_919 * (self.cluster_id + 1)) % (2**31 - 1)
-        blob = self.up.encode(self.layout.flatten(update), seed=seed)
-        return {"blob": np.frombuffer(blob, dtype=np.uint8).copy()}
+        return self.up.select(self.layout.flatten(update), seed=seed)
+
+    def uplink_metrics(self, sent: Arrays) -> dict[str, Any]:
+        """What the reply says of the uplink: its codec (the last one used) and the bytes sent in it."""
+        if self.up is None:
+            return {}
+        return {"codec-up": self.up.describe()["spec"], "update-bytes": int(sent["blob"].size) if "blob" in sent else 0}
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -45,6 +45,18 @@ def proximal_gradient(weight: torch.Tensor, anchor: torch.Tensor, *, mu: float) 
     return mu * (weight.detach() - anchor)
 
 
+def prox_metrics(term: ProximalTerm | None, *, after: Mapping[str, np.ndarray],
+                 received: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """The reply's word on a round's term: mu, and the term's value at the round's end, (mu / 2) ||w - w_g||^2
+    (`after`: the exchanged tensors trained; `received`: the global they were pulled toward). None: no term."""
+    if term is None:
+        return {}
+    return {"prox-mu": term.mu,
+            "prox-term": float(proximal_penalty([torch.from_numpy(after[k]) for k in after],
+                                                [torch.from_numpy(np.asarray(received[k])) for k in after],
+                                                mu=term.mu))}
+
+
 class ProximalTerm:
     """One round's term: the exchanged parameters, their anchors laid out as the parameters are (this rank's
     shard under FSDP, the parameter's dtype and device), and mu.

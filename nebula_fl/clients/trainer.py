@@ -1,8 +1,9 @@
 """One worker (rank) of a cluster's persistent trainer: builds the task's model once per run, trains rounds.
 
 What is trained is a ``Task`` (``nebula_fl/tasks/``): it builds the model, tokenises the shard, gives the loss,
-and says what crosses the WAN. This file is the round loop around it; what a round receives and sends (codecs,
-views, client-level DP) is ``exchange.py``, the per-round snapshots ``snapshots.py``.
+and says what crosses the WAN. This file is the round loop around it: a round returns the raw update, which rank
+0's pipeline (``release.py``) privatizes and encodes; what a round receives and sends (codecs, views, client-level
+DP) is ``exchange.py``, what its reply says ``round_metrics.py``, the per-round snapshots ``snapshots.py``.
 
 Every rank of the cluster runs the same calls in the same order; gradients are averaged by DDP (or FSDP), and
 the few decisions that could differ between ranks (a request that fails to set up) are agreed on
@@ -13,7 +14,7 @@ Inner-optimizer state (AdamW moments), the batch stream and each rank's RNG pers
 as in DiLoCo, and are snapshotted after every round this cluster trains, once its release is charged
 (``commit``: write-ahead, ledger then snapshot then reply; ``snapshots.py``): a restarted trainer continues
 from its newest snapshot, which the ledger always covers. What the server may ask is decided before a
-round reaches the ranks, by rank 0's privacy gate and reply cache (``trainer_service.py``).
+round reaches the ranks, by rank 0's privacy gate and reply cache (``release.py``).
 """
 
 from __future__ import annotations
@@ -31,20 +32,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nebula_fl.clients.exchange import Exchange, privatize_update
+from nebula_fl.clients.exchange import Exchange
 from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr, train_steps
 from nebula_fl.clients.overlap import (
     Ahead,
     Unapplied,
     ahead_usable,
-    busy,
     global_round_of,
     steps_ahead,
     steps_on_arrival,
 )
-from nebula_fl.clients.proximal import ProximalTerm, attach, proximal_penalty
+from nebula_fl.clients.proximal import ProximalTerm, attach, prox_metrics
 from nebula_fl.clients.reply_cache import FEDERATION_ID
+from nebula_fl.clients.round_metrics import round_metrics
 from nebula_fl.clients.snapshots import SnapshotStore
+from nebula_fl.compression.compressor import Selection
 from nebula_fl.config import ModelConfig, PrivacyConfig, TrainConfig
 from nebula_fl.data.datasets import TextDataset
 from nebula_fl.devices import DP_REFUSED, resolve_precision
@@ -107,13 +109,30 @@ class ClusterTrainer:
     # -- the round loop ----------------------------------------------------------------------------
     def train_round(self, config: dict[str, Any], payload: Arrays, admission: Admission) -> tuple[Arrays, dict[str, Any]]:
         """Train the round's steps from the global arrays (or, overlapped, from this cluster's own weights); return
-        (update, metrics). Same call on every rank.
+        (the raw update, metrics). Same call on every rank; rank 0's pipeline (``release.py``) privatizes and
+        encodes the update, then every rank keeps the round or drops it (`commit`).
 
         `admission` is the privacy gate's verdict (rank 0 decided it before the round reached the ranks):
         the mechanism to run, never the server's raw request.
         """
         server_round = int(config["server-round"])
         train_cfg, global_arrays, view = self._start_round(config, payload, admission)
+        losses, seconds = self._round_steps(server_round, train_cfg, admission)
+        busy_s = seconds + self.ahead.seconds
+        after = self.task.exchanged(self.model_core)
+        base = self.anchor if self.anchor is not None else global_arrays
+        update = {k: (after[k] - np.asarray(base[k], dtype=np.float32)).astype(np.float32) for k in after}
+        prox = prox_metrics(self.proximal, after=after, received=global_arrays)
+        self._rebase(server_round, update, global_arrays, overlap=train_cfg.round_overlap)
+        rank_losses, rank_sums = self._rank_stats(losses, after)
+        since_send = self._close_round(server_round, view, config=config, train_cfg=train_cfg, admission=admission)
+        metrics = round_metrics(ctx=self.ctx, steps=len(losses), logical_batch=self.logical_batch,
+                                rank_losses=rank_losses, rank_sums=rank_sums, seconds=seconds,
+                                precision=self.precision, busy_s=busy_s, since_send_s=since_send)
+        return update, {**metrics, **prox}
+
+    def _round_steps(self, server_round: int, train_cfg: TrainConfig, admission: Admission) -> tuple[list[float], float]:
+        """The round's losses (what was trained ahead, then the steps left) and the seconds the steps left took."""
         if admission.mode != "off" and self.ahead.steps == 0:  # (trained ahead: seeded when that began)
             _fresh_noise_seed()
         started = time.monotonic()
@@ -124,59 +143,38 @@ class ClusterTrainer:
             seconds=train_cfg.round_seconds if todo is None else None)
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
-        seconds = time.monotonic() - started
-        busy_s = seconds + self.ahead.seconds
-        after = self.task.exchanged(self.model_core)
-        base = self.anchor if self.anchor is not None else global_arrays
-        update = {k: (after[k] - np.asarray(base[k], dtype=np.float32)).astype(np.float32) for k in after}
-        prox_metrics = {} if self.proximal is None else {
-            "prox-mu": self.proximal.mu,  # and the term's value at the round's end, (mu / 2) ||w - w_g||^2
-            "prox-term": float(proximal_penalty([torch.from_numpy(after[k]) for k in after],
-                                                [torch.from_numpy(np.asarray(global_arrays[k])) for k in after],
-                                                mu=self.proximal.mu))}
-        if train_cfg.round_overlap:  # the progress no global holds yet, kept on the new one (clients/overlap.py)
+        return losses, time.monotonic() - started
+
+    def _rebase(self, server_round: int, update: Arrays, global_arrays: Arrays, *, overlap: bool) -> None:
+        """Overlapped, the progress no global holds yet is kept on the new one (clients/overlap.py): the model goes
+        on from there; otherwise the next round starts from its global."""
+        if overlap:
             self.unapplied.keep(server_round, update)
             self.anchor = self.unapplied.base(global_arrays, global_round=self.global_round)
             self.task.load_exchanged(self.model_core, self.anchor)
         else:
             self.anchor = None
             self.unapplied.clear()
-        privacy_metrics: dict[str, Any] = {}
-        if admission.mode == "client" and self.ctx.rank == 0:
-            update, privacy_metrics = privatize_update(update, admission)
+
+    def _rank_stats(self, losses: list[float], after: Arrays) -> tuple[list[float], list[float]]:
+        """Every rank's mean loss and weight checksum (ranks in sync give bit-identical sums)."""
         stats = torch.tensor([float(np.nanmean(losses)), _checksum(after)], dtype=torch.float64)
         gathered = [torch.zeros_like(stats) for _ in range(self.ctx.world)]
         dist.all_gather(gathered, stats, group=self.ctx.control)
-        out, encode_seconds = self._encode(update, config)
+        return [float(g[0]) for g in gathered], [float(g[1]) for g in gathered]
+
+    def _close_round(self, server_round: int, view: np.ndarray | None, *, config: dict[str, Any],
+                     train_cfg: TrainConfig, admission: Admission) -> float | None:
+        """The round is the last trained (kept, snapshotted, only by `commit`, once rank 0 charged it); returns the
+        seconds since the last one was sent (None: the first of this process)."""
         self.exchange.keep_view(view, server_round)
         self.round = server_round
         self.last_config, self.last_train, self.last_admission = config, train_cfg, admission
-        self.ahead = Ahead()  # (kept, snapshotted, only by `commit`, once rank 0 charged the round)
+        self.ahead = Ahead()
         now = time.monotonic()
         since_send = None if self.sent_at is None else now - self.sent_at
         self.sent_at = now
-        sums = [float(g[1]) for g in gathered]
-        metrics = {
-            "cluster-id": self.ctx.cluster_id,
-            "num-examples": len(self.ctx.shard),
-            "examples-seen": int(len(losses) * self.logical_batch),  # expected, under sample DP
-            "steps": len(losses),
-            "train-loss": float(np.mean([float(g[0]) for g in gathered])),
-            "seconds": float(seconds),
-            "encode-seconds": float(encode_seconds),
-            "workers": int(self.ctx.world),
-            "device": self.ctx.device.type,
-            "precision": self.precision,
-            "parallel": self.ctx.parallel,
-            "rank-divergence": float(max(abs(s - sums[0]) for s in sums)),
-            **busy(busy_s=busy_s, since_send_s=since_send),
-        }
-        if self.up is not None and self.ctx.rank == 0:
-            metrics["codec-up"] = self.up.describe()["spec"]
-            metrics["update-bytes"] = int(out["blob"].size) if "blob" in out else 0
-        metrics.update(privacy_metrics)
-        metrics.update(prox_metrics)
-        return out, metrics
+        return since_send
 
     # -- training ahead (overlapped rounds) --------------------------------------------------------
     def wants_ahead(self) -> int:
@@ -216,7 +214,7 @@ class ClusterTrainer:
         self.proximal = None
         try:
             train_cfg = TrainConfig.from_flat(config)
-            self.setup(config, admission)
+            self.setup(config, admission, train_cfg=train_cfg)
             server_round = int(config["server-round"])
             self.last_rounds = int(config.get("num-server-rounds", server_round))
             why = ahead_usable(self.ahead, server_round=server_round, last_round=self.round, asked=admission,
@@ -297,34 +295,19 @@ class ClusterTrainer:
 
         return keep_going
 
-    def _encode(self, update: Arrays, config: dict[str, Any]) -> tuple[Arrays, float]:
-        """Rank 0 encodes the update for the uplink; a failure fails the round on every rank, unkept."""
-        error, out, started = None, update, time.monotonic()
-        if "codec-up" in config and self.ctx.rank == 0:
-            try:
-                out = self.exchange.encode_up(update, config)
-            except (NebulaError, ValueError) as err:
-                error = str(err)
-        try:
-            self.agree(error)
-        except RequestError:
-            self.round = None  # the round trained but was not kept: restart from the last snapshot next time
-            raise
-        return out, time.monotonic() - started
+    def encode_up(self, update: Arrays, *, config: dict[str, Any]) -> Selection:
+        """Rank 0: the update in the round's uplink codec (its residual is this rank's state, snapshotted by
+        `commit`)."""
+        return self.exchange.encode_up(update, config)
 
-    @property
-    def layout(self):
-        return self.exchange.layout
-
-    @property
-    def up(self):
-        return self.exchange.up
+    def uplink_metrics(self, sent: Arrays) -> dict[str, Any]:
+        return self.exchange.uplink_metrics(sent)
 
     # -- per-run setup -----------------------------------------------------------------------------
-    def setup(self, config: dict[str, Any], admission: Admission) -> None:
-        """Build the task's model, tokenised shard and fresh inner state for a federation; no-op if unchanged."""
+    def setup(self, config: dict[str, Any], admission: Admission, *, train_cfg: TrainConfig) -> None:
+        """Build the task's model, tokenised shard and fresh inner state for a federation; no-op if unchanged.
+        (`train_cfg`: the round's train section, as `_start_round` parsed it.)"""
         model_cfg = ModelConfig.from_flat(config)
-        train_cfg = TrainConfig.from_flat(config)
         labels = list(config["labels"])
         asked = PrivacyConfig.from_flat(config)
         task_name = str(config.get("task.name", "classify"))
@@ -339,19 +322,7 @@ class ClusterTrainer:
                           train_cfg.batch_size, self.logical_batch, task_name, options], sort_keys=True)
         if key == self.setup_key:
             return
-        targets = task_class(task_name).targets
-        if self.ctx.shard.targets != targets:
-            raise RequestError(
-                f"cluster {self.ctx.cluster_id} read its labels as {self.ctx.shard.targets}, but task '{task_name}' "
-                f"predicts {targets}; restart its trainer with --targets {targets}"
-            )
-        names = self.ctx.shard.label_names
-        unknown = [n for n in names if n not in labels]
-        if unknown:
-            raise RequestError(
-                f"cluster {self.ctx.cluster_id} holds labels {unknown} that the federation does not know "
-                f"({labels}); relabel the data or add them on the server"
-            )
+        targets = self._check_shard(task_name, labels)
         federation_id = str(config["federation-id"])
         if not FEDERATION_ID.fullmatch(federation_id):
             # it names this cluster's snapshot folder: never let the server pick a path
@@ -359,34 +330,61 @@ class ClusterTrainer:
         self.precision = resolve_precision(self.ctx.precision, device_kind=self.ctx.device.type,
                                            privacy_mode=admission.mode)
         self.task: Task = make_task(task_name, options)
+        self._check_mechanism(task_name, admission)
+        self.labels = _labels_as(targets, shard=self.ctx.shard, labels=labels)
+        self.federation_id = federation_id
+        self.snapshots = SnapshotStore(self.ctx.state_dir / "snapshots" / federation_id)
+        self.seed = int(config["seed"])
+        self._build_model(TaskSetup(model=model_cfg, labels=labels, seed=self.seed, path=self.ctx.model_path,
+                                    privacy_mode=asked.mode, device=self.ctx.device),
+                          server_fingerprint=str(config.get("frozen-fingerprint", "")))
+        self.mode = admission.mode
+        self.exchange = Exchange(initial=self.task.exchanged(self.model_core), cluster_id=self.ctx.cluster_id)
+        self._build_optimizer(train_cfg, admission)
+        self.data = self._rank_examples()
+        self.setup_key = key
+        self.round = None
+        self.state_valid = False
+
+    def _check_shard(self, task_name: str, labels: list[Any]) -> str:
+        """The shard fits the task (its kind of targets, returned) and the federation (every label known)."""
+        targets = task_class(task_name).targets
+        if self.ctx.shard.targets != targets:
+            raise RequestError(
+                f"cluster {self.ctx.cluster_id} read its labels as {self.ctx.shard.targets}, but task '{task_name}' "
+                f"predicts {targets}; restart its trainer with --targets {targets}"
+            )
+        unknown = [n for n in self.ctx.shard.label_names if n not in labels]
+        if unknown:
+            raise RequestError(
+                f"cluster {self.ctx.cluster_id} holds labels {unknown} that the federation does not know "
+                f"({labels}); relabel the data or add them on the server"
+            )
+        return targets
+
+    def _check_mechanism(self, task_name: str, admission: Admission) -> None:
+        """The admitted privacy mechanism runs on this cluster's parallelism and the task."""
         if admission.mode == "sample" and self.ctx.parallel == "fsdp":
             raise RequestError(f"cluster {self.ctx.cluster_id}: {DP_REFUSED}")
         if admission.mode not in self.task.privacy_modes:
             raise RequestError(f"task '{task_name}' does not support privacy mode '{admission.mode}' "
                                f"(it supports {', '.join(self.task.privacy_modes)})")
-        if targets == "values":
-            self.labels = np.asarray(self.ctx.shard.labels, dtype=np.float32)
-        elif targets == "text":
-            self.labels = self.ctx.shard.labels
-        else:
-            remap = np.array([labels.index(n) for n in names], dtype=np.int64)
-            self.labels = remap[self.ctx.shard.labels]
-        self.federation_id = federation_id
-        self.snapshots = SnapshotStore(self.ctx.state_dir / "snapshots" / federation_id)
-        self.seed = int(config["seed"])
-        self.task_setup = TaskSetup(model=model_cfg, labels=labels, seed=self.seed, path=self.ctx.model_path,
-                                    privacy_mode=asked.mode, device=self.ctx.device)
-        self.tokenizer = self.task.tokenizer(self.task_setup)
-        self.model_core = self.task.build_model(self.task_setup).to(self.ctx.device)
-        mine_fp, theirs_fp = self.task.fingerprint(self.model_core), str(config.get("frozen-fingerprint", ""))
-        if mine_fp != theirs_fp:
+
+    def _build_model(self, task_setup: TaskSetup, *, server_fingerprint: str) -> None:
+        """The task's tokenizer and model, which must be the server's (its frozen LoRA A's fingerprint)."""
+        self.task_setup = task_setup
+        self.tokenizer = self.task.tokenizer(task_setup)
+        self.model_core = self.task.build_model(task_setup).to(self.ctx.device)
+        mine_fp = self.task.fingerprint(self.model_core)
+        if mine_fp != server_fingerprint:
             raise RequestError(
                 f"cluster {self.ctx.cluster_id}'s frozen LoRA A (fingerprint {mine_fp[:12] or 'none'}) differs from the "
-                f"server's ({theirs_fp[:12] or 'none'}): the two sides build different models; use the same model "
-                "files, lora-* keys and seed on both sides"
+                f"server's ({server_fingerprint[:12] or 'none'}): the two sides build different models; use the same "
+                "model files, lora-* keys and seed on both sides"
             )
-        self.mode = admission.mode
-        self.exchange = Exchange(initial=self.task.exchanged(self.model_core), cluster_id=self.ctx.cluster_id)
+
+    def _build_optimizer(self, train_cfg: TrainConfig, admission: Admission) -> None:
+        """The inner optimizer (DP-SGD's under sample DP), the proximal pull attached, its initial state kept."""
         if self.mode == "sample":
             self._setup_private(train_cfg, admission)
         else:
@@ -396,6 +394,9 @@ class ClusterTrainer:
         # every inner step adds the round's proximal gradient, if any, just before the update (clients/proximal.py)
         attach(self.optimizer, lambda: self.proximal)
         self.initial_optimizer_state = copy.deepcopy(self.optimizer.state_dict())
+
+    def _rank_examples(self) -> Any:
+        """This rank's share of the shard (a seeded split, the same on every restart), tokenised for training."""
         order = np.random.default_rng([self.seed, self.ctx.cluster_id]).permutation(len(self.labels))
         mine = np.sort(order[self.ctx.rank :: self.ctx.world])
         if len(mine) == 0:
@@ -403,12 +404,8 @@ class ClusterTrainer:
                 f"cluster {self.ctx.cluster_id} has {len(self.labels)} examples for {self.ctx.world} workers; "
                 "use fewer workers"
             )
-        self.data = self.task.examples(setup=self.task_setup, tokenizer=self.tokenizer,
-                                       texts=[self.ctx.shard.texts[i] for i in mine], labels=self.labels[mine],
-                                       train=True)
-        self.setup_key = key
-        self.round = None
-        self.state_valid = False
+        return self.task.examples(setup=self.task_setup, tokenizer=self.tokenizer,
+                                  texts=[self.ctx.shard.texts[i] for i in mine], labels=self.labels[mine], train=True)
 
     def _setup_private(self, train_cfg: TrainConfig, admission: Admission) -> None:
         """DP-SGD over the cluster's whole shard: Opacus shards it across the ranks and Poisson-samples it."""
@@ -527,6 +524,16 @@ class ClusterTrainer:
                     f"--parallel {self.ctx.parallel} now; restart it with --parallel {parallel}"
                 )
             self.load_state_dict(saved["ranks"][self.ctx.rank])
+
+
+def _labels_as(targets: str, *, shard: TextDataset, labels: list[Any]) -> Any:
+    """The shard's labels as the task trains on them: values, texts, or class indices in the federation's order."""
+    if targets == "values":
+        return np.asarray(shard.labels, dtype=np.float32)
+    if targets == "text":
+        return shard.labels
+    remap = np.array([labels.index(n) for n in shard.label_names], dtype=np.int64)
+    return remap[shard.labels]
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

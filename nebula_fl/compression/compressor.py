@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -116,6 +117,16 @@ def _check_decoded(stage: Codec, values: object, n: int) -> np.ndarray:
     return values
 
 
+@dataclass(frozen=True)
+class Selection:
+    """One encode: `values`, what the receiver decodes before the transform places them (every coordinate, or
+    random-k's picks; float32), and `blob`, the serialised form the plain uplink sends. `values` is None for a lossy
+    chain that keeps no residual: it is not linear, and secure aggregation (which masks `values`) never uses one."""
+
+    values: np.ndarray | None
+    blob: bytes
+
+
 class Compressor:
     """Encoder for one stream: ``Compressor("topk:0.05+int8", layout=layout).encode(x, seed=s) -> bytes``."""
 
@@ -207,6 +218,11 @@ class Compressor:
 
     def encode(self, x: np.ndarray, *, seed: int) -> bytes:
         """The blob for x (1-D float32 of layout.size); updates the residual and the stages' state."""
+        return self.select(x, seed=seed).blob
+
+    def select(self, x: np.ndarray, *, seed: int) -> Selection:
+        """`encode`, handing over the values the receiver will decode beside the blob (so secure aggregation masks
+        them with no decode of it); updates the residual and the stages' state."""
         seed = _check_seed(seed)
         x = self._check_input(x)
         chain = self._chain
@@ -223,16 +239,17 @@ class Compressor:
                                        chain.t_plan)
                 q_out = _check_encoded(q, q.encode(t_out.values, segments=chain.t_plan.values, layout=self.layout,
                                                    seed=seed), chain.q_plan)
-                blob = container.pack(chain.header_for(seed), [
+                sent = None
+                if q.lossless:  # (a copy: the residual update below may work in place on the transform's values)
+                    sent = t_out.values.copy()
+                elif self._residual is not None:
+                    sent = _check_decoded(q, q.decode(Encoded(EMPTY, q_out.arrays), segments=chain.t_plan.values,
+                                                      layout=self.layout, seed=seed), sum(chain.t_plan.values))
+                selection = Selection(values=sent, blob=container.pack(chain.header_for(seed), [
                     *((a, t_out.arrays[a.name]) for a in chain.t_plan.arrays),
                     *((a, q_out.arrays[a.name]) for a in chain.q_plan.arrays),
-                ])
+                ]))
                 if self._residual is not None:
-                    if q.lossless:
-                        sent = t_out.values
-                    else:
-                        sent = _check_decoded(q, q.decode(Encoded(EMPTY, q_out.arrays), segments=chain.t_plan.values,
-                                                          layout=self.layout, seed=seed), sum(chain.t_plan.values))
                     t.subtract_decoded(work, Encoded(sent, t_out.arrays), segments=(self.layout.size,),
                                        layout=self.layout, seed=seed)
                     if not _finite(work):  # never keep a residual that would poison every later round
@@ -246,7 +263,7 @@ class Compressor:
             raise CodecError(f"chain '{chain.spec}' failed to encode ({type(exc).__name__}: {exc})") from exc
         if self._residual is not None:
             self._residual = work
-        return blob
+        return selection
 
     # -- decoding ------------------------------------------------------------------------------------
     @classmethod
