@@ -199,10 +199,8 @@ def budget_phrase(policy: PrivacyPolicy) -> str:
         " (default: the policy sets no max_epsilon)" if policy.budget_is_default else "")
 
 
-def run_trainer(opts: TrainerOptions) -> int:
-    """Check everything, start the ranks and supervise them until a signal or a failure; returns the exit status."""
-    import multiprocessing as mp
-
+def _check(opts: TrainerOptions) -> tuple[list[str], str]:
+    """Every refusal the operator's flags can earn, before anything starts: the workers' devices and precision."""
     if opts.workers < 1:
         raise NebulaError(f"--workers is {opts.workers}; use 1 or more")
     if not 1.0 <= opts.slowdown <= 1000.0:
@@ -221,6 +219,43 @@ def run_trainer(opts: TrainerOptions) -> int:
         check_visible(devices, visible=visible_gpus())
     precision = resolve_precision(opts.precision, device_kind=devices[0].split(":")[0], privacy_mode=opts.policy.mode)
     opts.policy.check_for(len(opts.shard))
+    return devices, precision
+
+
+def _supervise(procs: list, stopping: dict[str, Any], *, cluster_id: int) -> int:
+    """Wait until a signal, a rank's failure (1) or every rank's clean exit (0)."""
+    try:
+        while stopping["signal"] is None:
+            failed = [p for p in procs if p.exitcode not in (None, 0)]
+            if failed or all(p.exitcode == 0 for p in procs):
+                for p in failed:
+                    print(f"trainer {cluster_id}: {p.name} exited with {p.exitcode}", file=sys.stderr, flush=True)
+                return 1 if failed else 0
+            time.sleep(0.2)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _stop_ranks(procs: list, *, grace_s: float = 5.0) -> None:
+    """Terminate the ranks, and kill any still alive after `grace_s`: no rank outlives its trainer."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def run_trainer(opts: TrainerOptions) -> int:
+    """Check everything, start the ranks and supervise them until a signal or a failure; returns the exit status."""
+    import multiprocessing as mp
+
+    devices, precision = _check(opts)
     # Everything the trainer writes (keys, ledger, snapshots, replies) is its user's alone: the SuperNode's user, and
     # so whatever code might run as it, reaches the cluster through the socket only (ranks inherit the mask).
     os.umask(0o077)
@@ -239,7 +274,7 @@ def run_trainer(opts: TrainerOptions) -> int:
                     name=f"nebula-trainer-{opts.cluster_id}-{rank}")
         for rank in range(opts.workers)
     ]
-    stopping = {"signal": None}
+    stopping: dict[str, Any] = {"signal": None}
 
     def _stop(signum, _frame):
         stopping["signal"] = signum
@@ -257,29 +292,10 @@ def run_trainer(opts: TrainerOptions) -> int:
         f"step(s), {spent['client']} client-level release(s) so far; {secagg.describe()}",
         flush=True,
     )
-    status = 0
     try:
-        while stopping["signal"] is None:
-            failed = [p for p in procs if p.exitcode not in (None, 0)]
-            if failed or all(p.exitcode == 0 for p in procs):
-                status = 1 if failed else 0
-                for p in failed:
-                    print(f"trainer {opts.cluster_id}: {p.name} exited with {p.exitcode}", file=sys.stderr, flush=True)
-                break
-            time.sleep(0.2)
-    except Exception:
-        traceback.print_exc()
-        status = 1
+        status = _supervise(procs, stopping, cluster_id=opts.cluster_id)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        deadline = time.monotonic() + 5
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _stop_ranks(procs)
         for path in (opts.socket_path, Path(f"{opts.socket_path}.key"), init_file):
             Path(path).unlink(missing_ok=True)
         os.close(lock)
