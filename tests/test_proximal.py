@@ -3,8 +3,6 @@ Opacus), the trainer under DDP, FSDP, round-overlap and per-example DP, and a st
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ from nebula_fl.errors import ConfigError
 from nebula_fl.model.adapter import adapter_arrays, adapter_parameters
 from nebula_fl.model.batches import TokenizedTexts
 from nebula_fl.model.loading import build_model, load_tokenizer
+from tests.gloo_ranks import spawn_ranks
 from tests.test_sharding import _trainer as sharded_trainer
 
 LABELS = ["business", "entertainment", "politics", "sports", "tech"]
@@ -146,7 +145,7 @@ def _norm(arrays: dict) -> float:
     return float(np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in arrays.values())))
 
 
-def _checks(model_path: Path, out: Path, rank: int, world: int) -> dict:
+def _checks(rank: int, world: int, model_path: Path, out: Path) -> dict:
     import torch.distributed as dist
 
     from nebula_fl.privacy.policy import Admission
@@ -199,33 +198,13 @@ def _checks(model_path: Path, out: Path, rank: int, world: int) -> dict:
     return found
 
 
-def _rank_main(rank: int, world: int, init_file: str, out: str, model_path: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        found = _checks(Path(model_path), Path(out) / "state", rank, world)
-        if rank == 0:
-            (Path(out) / "found.json").write_text(json.dumps(found))
-            print("proximal checks:", json.dumps(found), flush=True)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     from nebula_fl.model.tiny import build_tiny_model
 
     tmp = tmp_path_factory.mktemp("prox")
     model_path = build_tiny_model(tmp / "model", layers=2)
-    mp.start_processes(_rank_main, args=(2, str(tmp / "init"), str(tmp), str(model_path)), nprocs=2,
-                       start_method="spawn")
-    return json.loads((tmp / "found.json").read_text())
+    return spawn_ranks(_checks, world=2, folder=tmp, args=(model_path, tmp / "state"))[0]
 
 
 

@@ -5,12 +5,12 @@ round starts, on every rank, from the last snapshot the ledger covers.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.gloo_ranks import spawn_ranks
 
 LABELS = ["a", "b"]
 
@@ -65,32 +65,13 @@ def _rank_checks(rank: int, world: int, model_path: Path, state_dir: Path) -> di
     return found
 
 
-def _rank_main(rank: int, world: int, init_file: str, out: str, model_path: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        found = _rank_checks(rank, world, Path(model_path), Path(out) / "state")
-        (Path(out) / f"found-{rank}.json").write_text(json.dumps(found))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
     from nebula_fl.model.tiny import build_tiny_model
 
     tmp = tmp_path_factory.mktemp("commit")
     model_path = build_tiny_model(tmp / "model", layers=1)
-    mp.start_processes(_rank_main, args=(2, str(tmp / "init"), str(tmp), str(model_path)), nprocs=2,
-                       start_method="spawn")
-    return [json.loads((tmp / f"found-{rank}.json").read_text()) for rank in range(2)]
+    return spawn_ranks(_rank_checks, world=2, folder=tmp, args=(model_path, tmp / "state"))
 
 
 def test_a_round_rank_0_could_not_charge_or_snapshot_is_dropped_on_every_rank(ranks):

@@ -13,8 +13,6 @@ figures; the tests below assert on them:
 from __future__ import annotations
 
 import copy
-import json
-import os
 from argparse import Namespace
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import numpy as np
 import pytest
 
 from nebula_fl.errors import NebulaError
+from tests.gloo_ranks import spawn_ranks
 
 LABELS = ["business", "entertainment", "politics", "sports", "tech"]
 MLM = {"task.name": "mlm", "task.layers": 2, "task.hidden": 32, "task.heads": 2, "task.intermediate": 64}
@@ -229,33 +228,17 @@ def _trainer_checks(model_path: Path, out: Path, rank: int, world: int) -> dict:
     return found
 
 
-def _rank_main(rank: int, world: int, init_file: str, out: str, model_path: str, trainer_checks: bool) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        found = {f"{kind}-grad": _gradient_error(kind, Path(model_path), rank, world) for kind in ("classify", "mlm")}
-        if trainer_checks:
-            found["mixed-dtype"] = _mixed_dtype_error(rank, world)
-            found.update(_trainer_checks(Path(model_path), Path(out) / "state", rank, world))  # shared, as in a trainer
-        if rank == 0:
-            (Path(out) / "found.json").write_text(json.dumps(found))
-            print("fsdp checks:", json.dumps(found), flush=True)
-        dist.barrier()  # every rank done with its collectives before any tears the group down (gloo aborts else)
-    finally:
-        dist.destroy_process_group()
+def _checks(rank: int, world: int, model_path: Path, state_dir: Path, trainer_checks: bool) -> dict:
+    found = {f"{kind}-grad": _gradient_error(kind, model_path, rank, world) for kind in ("classify", "mlm")}
+    if trainer_checks:
+        found["mixed-dtype"] = _mixed_dtype_error(rank, world)
+        found.update(_trainer_checks(model_path, state_dir, rank, world))  # shared, as in a trainer
+    return found
 
 
 def _spawn(world: int, tmp: Path, model_path: Path, *, trainer_checks: bool) -> dict:
-    import torch.multiprocessing as mp
-
-    tmp.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_rank_main, args=(world, str(tmp / "init"), str(tmp), str(model_path), trainer_checks),
-                       nprocs=world, start_method="spawn")
-    return json.loads((tmp / "found.json").read_text())
+    """Rank 0's findings."""
+    return spawn_ranks(_checks, world=world, folder=tmp, args=(model_path, tmp / "state", trainer_checks))[0]
 
 
 @pytest.fixture(scope="module")
