@@ -3,14 +3,13 @@ import re
 import stat
 import threading
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from flwr.app import MetricRecord
 
 from nebula_fl.storage.checkpoint import join_state, split_state
 from nebula_fl.storage.run_folder import RunFolder
+from tests.test_run_status import evaluator_for
 
 
 def test_nested_state_round_trips_through_split_and_join():
@@ -95,23 +94,8 @@ def test_summary_and_config_are_fsynced_with_their_folder(tmp_path, monkeypatch)
 
 
 # -- a round whose record fails while the next runs: the run fails, and its resume has every round once -------------
-class _Evaluator:
-    """The ServerApp's evaluator without a model: accuracy r/10 for round r."""
-
-    labels = ("a", "b")
-    device = "cpu"
-
-    def __init__(self, cfg):
-        self.task = SimpleNamespace(metric="accuracy", exchange="adapter", higher_is_better=True)
-
-    def initial_adapter(self):
-        return {"w": np.zeros(3, np.float32)}
-
-    def frozen_fingerprint(self):
-        return ""
-
-    def __call__(self, server_round, arrays):
-        return MetricRecord({"accuracy": server_round / 10, "loss": 1.0})
+# The ServerApp's evaluator without a model: accuracy r/10 for round r (tests/test_run_status.py).
+_Evaluator = evaluator_for({"w": np.zeros(3, np.float32)})
 
 
 @pytest.mark.parametrize("breaks", ["save_checkpoint", "append_round"])
