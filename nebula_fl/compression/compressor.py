@@ -240,8 +240,8 @@ class Compressor:
                 q_out = _check_encoded(q, q.encode(t_out.values, segments=chain.t_plan.values, layout=self.layout,
                                                    seed=seed), chain.q_plan)
                 sent = None
-                if q.lossless:  # (a copy: the residual update below may work in place on the transform's values)
-                    sent = t_out.values.copy()
+                if q.lossless:  # a copy only where the residual update below may work in place on these values
+                    sent = t_out.values.copy() if self._residual is not None else t_out.values
                 elif self._residual is not None:
                     sent = _check_decoded(q, q.decode(Encoded(EMPTY, q_out.arrays), segments=chain.t_plan.values,
                                                       layout=self.layout, seed=seed), sum(chain.t_plan.values))
