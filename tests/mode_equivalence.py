@@ -243,7 +243,7 @@ class QuadCluster:
         admission = self.gate.admit(config, world=1, secure_threshold=None if plan is None else plan.threshold)
         assert admission.allowed, admission.reason
         update, metrics = self.train_round(config, payload, admission)
-        if plan is not None:  # trainer_service._masked
+        if plan is not None:  # release.Release._mask
             seed = int(config["codec-seed"])
             dense = Compressor.decode(update["blob"].tobytes(), layout=self.exchange.layout, seed=seed)
             first = self.exchange.up.stages[0]
