@@ -42,6 +42,17 @@ def die_with_parent(sig: int = signal.SIGTERM, *, expected_parent: int | None = 
     return True
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one we may not signal counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def preexec_die_with_parent(sig: int = signal.SIGTERM):
     """A ``subprocess.Popen(preexec_fn=...)`` that makes the child die with the process starting it."""
     parent = os.getpid()

@@ -42,6 +42,9 @@ from nebula_fl.privacy.policy import POLICY_FILE, PrivacyPolicy
 AHEAD = "ahead"  # rank 0's command to the other ranks between rounds (ROUND, release.py: a round to train)
 CONTROL_TIMEOUT = timedelta(days=30)  # ranks >= 1 idle in a broadcast between rounds; rounds can be far apart
 LOCK_FILE = "trainer.lock"
+# What every rank imports (about 5 s of CPU each): the ranks' fork server imports it once for all of them.
+RANK_PRELOAD = ("torch", "torch.distributed", "transformers", "peft", "opacus", "nebula_fl.clients.trainer",
+                "nebula_fl.clients.trainer_service")
 SHARD_FILE = "shard.json"  # the shard's size and labels: for the operator, never said on the socket
 
 
@@ -61,11 +64,13 @@ def _device_for(rank: int, opts: TrainerOptions):
     return torch.device(worker_devices(opts.device, workers=opts.workers)[rank])
 
 
-def _worker_main(rank: int, opts: TrainerOptions, init_file: str, parent: int) -> None:
-    """Entry point of one rank (a spawned process)."""
-    from nebula_fl.lifetime import die_with_parent
+def _worker_main(rank: int, opts: TrainerOptions, init_file: str, supervisor: int) -> None:
+    """Entry point of one rank, forked by the supervisor's fork server (which exits when the supervisor does)."""
+    from nebula_fl.lifetime import die_with_parent, pid_alive
 
-    die_with_parent(signal.SIGKILL, expected_parent=parent)
+    die_with_parent(signal.SIGKILL, expected_parent=os.getppid())
+    if not pid_alive(supervisor):  # gone before the parent-death signal was set: never left orphaned
+        os.kill(os.getpid(), signal.SIGKILL)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
     import torch.distributed as dist
@@ -268,7 +273,8 @@ def run_trainer(opts: TrainerOptions) -> int:
     opts.policy.save(opts.state_dir / POLICY_FILE)
     init_file = opts.state_dir / f".ddp-init-{os.getpid()}"
     init_file.unlink(missing_ok=True)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # torch, transformers and peft imported once, not once per rank and restart
+    ctx.set_forkserver_preload(list(RANK_PRELOAD))
     procs = [
         ctx.Process(target=_worker_main, args=(rank, opts, str(init_file), os.getpid()),
                     name=f"nebula-trainer-{opts.cluster_id}-{rank}")
