@@ -2,7 +2,8 @@
 
 Linux's ``prctl(PR_SET_PDEATHSIG)`` delivers the signal the moment the parent thread exits, so a
 SIGKILLed launcher or trainer supervisor cannot leave workers behind. Elsewhere it is a no-op (the
-launcher's watchdog still covers the launcher's own children).
+launcher's watchdog still covers the launcher's own children). `die_with_process` ties a process to one that is
+not its parent (a trainer's ranks come from a fork server).
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import select
 import signal
 import sys
+import threading
+import time
 
 PR_SET_PDEATHSIG = 1
 
@@ -42,14 +46,38 @@ def die_with_parent(sig: int = signal.SIGTERM, *, expected_parent: int | None = 
     return True
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (one we may not signal counts as alive)."""
+def die_with_process(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Send `sig` to this process when process `pid` exits, whether or not it is this one's parent.
+
+    A trainer's ranks are forked by a fork server, not by the supervisor they must die with; and the fork server
+    outlives the supervisor while any rank holds its pipe. A daemon thread waits on a pidfd (Linux), else polls.
+    """
+    try:
+        fd: int | None = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), sig)  # already gone
+        return
+    except (AttributeError, OSError):
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while _exists(pid):
+                time.sleep(0.5)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name=f"die-with-{pid}", daemon=True).start()
+
+
+def _exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 

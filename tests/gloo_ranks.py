@@ -1,5 +1,6 @@
-"""Ranks of a real gloo process group, spawned as a cluster's trainer spawns its workers, each running a module-level
-`checks(rank, world, *args) -> dict` and handing its findings back as JSON (spawned processes share no memory)."""
+"""Ranks of a real gloo process group, started as a cluster's trainer starts its workers (forked by a fork server that
+imported torch and the trainer once), each running a module-level `checks(rank, world, *args) -> dict` and handing
+its findings back as JSON (the ranks share no memory with the test)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 Checks = Callable[..., dict[str, Any]]
+PRELOAD = ["torch", "torch.distributed", "transformers", "peft", "opacus", "nebula_fl.clients.trainer", "tests.gloo_ranks"]
 
 
 def _rank_main(rank: int, world: int, folder: str, checks: Checks, args: tuple) -> None:
@@ -29,8 +31,11 @@ def _rank_main(rank: int, world: int, folder: str, checks: Checks, args: tuple) 
 
 def spawn_ranks(checks: Checks, *, world: int, folder: Path, args: tuple = ()) -> list[dict[str, Any]]:
     """Each rank's findings, in rank order; a rank that raises fails the spawn (torch re-raises it here)."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
     folder.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_rank_main, args=(world, str(folder), checks, args), nprocs=world, start_method="spawn")
+    multiprocessing.set_forkserver_preload(PRELOAD)  # (read once: when this test process starts its fork server)
+    mp.start_processes(_rank_main, args=(world, str(folder), checks, args), nprocs=world, start_method="forkserver")
     return [json.loads((folder / f"found-{rank}.json").read_text()) for rank in range(world)]

@@ -24,11 +24,12 @@ import torch
 
 from nebula_fl.clients import privacy_gate
 from nebula_fl.clients.protocol import split
+from nebula_fl.clients.rank import Boundary
 from nebula_fl.clients.release import Release
 from nebula_fl.clients.reply_cache import ReplyCache
 from nebula_fl.clients.snapshots import SnapshotStore
 from nebula_fl.clients.trainer import ClusterTrainer, WorkerContext
-from nebula_fl.clients.trainer_service import Boundary, TrainerOptions
+from nebula_fl.clients.trainer_options import TrainerOptions
 from nebula_fl.config import RunConfig
 from nebula_fl.data.datasets import TextDataset
 from nebula_fl.model.adapter import adapter_arrays

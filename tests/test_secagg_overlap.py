@@ -233,11 +233,12 @@ def test_a_riding_answer_is_the_explicit_answer_and_another_view_of_the_round_is
 
 
 def test_the_trainer_answers_a_riding_request_on_a_round_its_policy_declines_and_again_the_same(tmp_path):
-    """The cluster's boundary (trainer_service.Boundary, rank 0): the round asks for an unmasked update, which
+    """The cluster's boundary (rank.Boundary, rank 0): the round asks for an unmasked update, which
     this cluster's policy refuses; the held round's unmask still rides back, and a replay carries the same
     answer (the stage's first answer, from its state on disk)."""
     from nebula_fl.clients.protocol import unpack
-    from nebula_fl.clients.trainer_service import Boundary, TrainerOptions
+    from nebula_fl.clients.rank import Boundary
+    from nebula_fl.clients.trainer_options import TrainerOptions
     from nebula_fl.data.datasets import TextDataset
     from nebula_fl.privacy.policy import PrivacyPolicy
 

@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from nebula_fl.clients import outgoing
 from nebula_fl.clients.protocol import pack, split
+from nebula_fl.clients.rank import Boundary
 from nebula_fl.clients.trainer import RequestError
-from nebula_fl.clients.trainer_service import Boundary, TrainerOptions
+from nebula_fl.clients.trainer_options import TrainerOptions
 from nebula_fl.compression import Compressor, Layout
 from nebula_fl.config import RunConfig
 from nebula_fl.data.datasets import TextDataset

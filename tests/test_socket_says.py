@@ -4,11 +4,12 @@ cluster and its hardware only; a refusal under secure aggregation follows the ro
 
 import numpy as np
 
-from nebula_fl.clients.outgoing import released
+from nebula_fl.clients.outgoing import IN_THE_CLEAR, released
 from nebula_fl.clients.protocol import unpack
+from nebula_fl.clients.rank import Boundary
 from nebula_fl.clients.release import Round
 from nebula_fl.clients.round_request import RoundRequest
-from nebula_fl.clients.trainer_service import IN_THE_CLEAR, Boundary, TrainerOptions, describe
+from nebula_fl.clients.trainer_options import TrainerOptions, describe
 from nebula_fl.config import RunConfig
 from nebula_fl.data.datasets import TextDataset
 from nebula_fl.privacy.policy import PrivacyPolicy

@@ -153,3 +153,24 @@ def test_malformed_lines_do_not_kill_the_watchdog(tmp_path, line):
     finally:
         dog.release()
     assert dog.popen.returncode == 0
+
+
+# A process tied to one that is not its parent, as a trainer's ranks (forked by a fork server) are to their supervisor.
+TIED = "import sys, time; from nebula_fl.lifetime import die_with_process; die_with_process(int(sys.argv[1])); time.sleep(60)"
+
+
+def test_a_process_tied_to_another_dies_when_that_one_is_killed_or_already_gone():
+    other = subprocess.Popen(["sleep", "300"])
+    tied = subprocess.Popen([sys.executable, "-c", TIED, str(other.pid)])
+    try:
+        time.sleep(1.0)  # tied, and waiting
+        assert tied.poll() is None
+        other.kill()
+        other.wait()
+        assert tied.wait(timeout=5) == -signal.SIGKILL
+        late = subprocess.run([sys.executable, "-c", TIED, str(other.pid)], timeout=30)  # gone before it was tied
+        assert late.returncode == -signal.SIGKILL
+    finally:
+        for proc in (other, tied):
+            proc.kill()
+            proc.wait()

@@ -1,16 +1,12 @@
-"""A cluster's persistent trainer: `workers` torch.distributed ranks, rank 0 serving a Unix socket.
+"""A cluster's persistent trainer: `workers` torch.distributed ranks (``rank.py``), rank 0 serving a Unix socket.
 
 Started once per cluster beside its SuperNode (``nebula-fl trainer ...``), as its own user where the cluster
 is deployed as documented (its state folder is that user's alone, the socket the one way in); it holds the
-model weights, tokenised data and worker processes for the whole run, never per round. The parent process only supervises: if any rank dies it stops
-the others and exits non-zero; on SIGTERM/SIGINT it stops them all and exits; if the parent itself
-is killed, the kernel kills the ranks (parent-death signal).
+model weights, tokenised data and worker processes for the whole run, never per round.
 
-Rank 0 is the cluster's boundary (`Boundary`): its socket (``trainer_socket.py``) is the only way in, and a
-round's pipeline (``release.py``: admit, train, privatize, encode, charge, persist, mask, reply) the only way
-anything computed from the data leaves. `hello` and secure aggregation's setup and unmasking are answered at
-once, even mid-round; `train` requests queue for the ranks, which train ahead between them when the last round
-overlaps.
+This process only checks and supervises, and never imports torch: if any rank dies it stops the others and exits
+non-zero; on SIGTERM/SIGINT it stops them all and exits; if it is killed, even by SIGKILL, each rank kills itself
+(``lifetime.die_with_process``), and the fork server the ranks come from then exits too.
 """
 
 from __future__ import annotations
@@ -18,32 +14,26 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import queue
 import signal
 import sys
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 # (IN_THE_CLEAR, IN_THE_CLEAR_CLIENT_DP and in_the_clear are importable from here too, as before outgoing.py)
 from nebula_fl.clients.outgoing import IN_THE_CLEAR, IN_THE_CLEAR_CLIENT_DP, in_the_clear  # noqa: F401
-from nebula_fl.clients.protocol import TrainerListener, pack, socket_in_use
-from nebula_fl.clients.release import Release
-from nebula_fl.clients.secagg_stage import SecAggRefusal, SecAggStage
-from nebula_fl.clients.trainer_options import LOCK_WAIT_S, TrainerOptions, describe, log
-from nebula_fl.clients.trainer_socket import TrainerSocket
+from nebula_fl.clients.protocol import socket_in_use
+from nebula_fl.clients.secagg_stage import SecAggStage
+from nebula_fl.clients.trainer_options import LOCK_WAIT_S, TrainerOptions, describe  # noqa: F401 (describe: as before)
 from nebula_fl.devices import check_visible, resolve_precision, visible_gpus, worker_devices
 from nebula_fl.errors import NebulaError
 from nebula_fl.privacy.cluster_ledger import LEDGER_FILE, ClusterLedger
 from nebula_fl.privacy.policy import POLICY_FILE, PrivacyPolicy
 
-AHEAD = "ahead"  # rank 0's command to the other ranks between rounds (ROUND, release.py: a round to train)
-CONTROL_TIMEOUT = timedelta(days=30)  # ranks >= 1 idle in a broadcast between rounds; rounds can be far apart
 LOCK_FILE = "trainer.lock"
 # What every rank imports (about 5 s of CPU each): the ranks' fork server imports it once for all of them.
-RANK_PRELOAD = ("torch", "torch.distributed", "transformers", "peft", "opacus", "nebula_fl.clients.trainer",
+RANK_PRELOAD = ("torch", "torch.distributed", "transformers", "peft", "opacus", "nebula_fl.clients.rank",
                 "nebula_fl.clients.trainer_service")
 SHARD_FILE = "shard.json"  # the shard's size and labels: for the operator, never said on the socket
 
@@ -58,106 +48,11 @@ def write_shard_file(opts: TrainerOptions) -> Path:
     return path
 
 
-def _device_for(rank: int, opts: TrainerOptions):
-    import torch
+def _rank(*args: Any) -> None:
+    """A rank's entry, named here so that this process never imports torch (the fork server already has)."""
+    from nebula_fl.clients.rank import rank_main
 
-    return torch.device(worker_devices(opts.device, workers=opts.workers)[rank])
-
-
-def _worker_main(rank: int, opts: TrainerOptions, init_file: str, supervisor: int) -> None:
-    """Entry point of one rank, forked by the supervisor's fork server (which exits when the supervisor does)."""
-    from nebula_fl.lifetime import die_with_parent, pid_alive
-
-    die_with_parent(signal.SIGKILL, expected_parent=os.getppid())
-    if not pid_alive(supervisor):  # gone before the parent-death signal was set: never left orphaned
-        os.kill(os.getpid(), signal.SIGKILL)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import torch
-    import torch.distributed as dist
-
-    from nebula_fl.clients.trainer import ClusterTrainer, RequestError, WorkerContext
-
-    torch.set_num_threads(opts.threads)
-    device = _device_for(rank, opts)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=opts.workers)
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    trainer = ClusterTrainer(
-        WorkerContext(
-            rank=rank, world=opts.workers, cluster_id=opts.cluster_id, device=device,
-            model_path=opts.model_path, shard=opts.shard, state_dir=opts.state_dir, control=control,
-            slowdown=opts.slowdown, precision=opts.precision, parallel=opts.parallel,
-        )
-    )
-    if rank == 0:
-        Boundary(opts, trainer).serve(TrainerListener(opts.socket_path, group=opts.socket_group))
-    else:
-        while True:  # rank 0's commands: a round to train, or steps to train ahead between rounds
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0, group=control)
-            if box[0][0] == AHEAD:
-                trainer.train_ahead(box[0][1])
-                continue
-            _, config, arrays, admission = box[0]
-            try:
-                trainer.train_round(config, arrays, admission)
-                trainer.commit()  # kept, or dropped, as rank 0's encoding and charge went (write-ahead)
-            except RequestError:
-                pass
-
-
-class Boundary:
-    """Rank 0: the socket (the only way in), the round pipeline (the only way out), and the answers given at once
-    (`hello`; secure aggregation's setup and unmasking, on the connection's thread)."""
-
-    def __init__(self, opts: TrainerOptions, trainer) -> None:
-        self.opts, self.trainer = opts, trainer
-        secagg = SecAggStage.for_policy(state_dir=opts.state_dir, cluster_id=opts.cluster_id, policy=opts.policy)
-        self.release = Release(opts=opts, trainer=trainer, secagg=secagg)
-        self.socket = TrainerSocket(opts=opts, answer_now=self._answer_now)
-
-    def serve(self, listener: TrainerListener) -> None:
-        self.socket.start(listener)
-        while True:
-            conn, header = self._next_job()
-            self.socket.reply(conn, self.release.run(header))
-
-    def _next_job(self) -> tuple[Any, dict[str, Any]]:
-        """The next request; while none is waiting and the last round overlaps, the ranks train the next round's
-        steps ahead (clients/overlap.py): a GPU is not left idle through the network's hops."""
-        import torch.distributed as dist
-
-        while count := self.trainer.wants_ahead():
-            try:
-                return self.socket.jobs.get_nowait()
-            except queue.Empty:
-                pass
-            dist.broadcast_object_list([(AHEAD, count)], src=0, group=self.trainer.ctx.control)
-            self.trainer.train_ahead(count)
-        return self.socket.jobs.get()
-
-    def _answer_now(self, op: Any, header: dict[str, Any]) -> bytes:
-        """Any op but `train`: `hello` says only what IN_THE_CLEAR lets any reply say (`describe`)."""
-        if op == "hello":
-            return pack({"ok": True, **describe(self.opts)})
-        if op == "secagg":
-            return self._secagg(header.get("request"))
-        return self.release.error(f"unknown op {op!r}", plain=True)
-
-    def _secagg(self, request: Any) -> bytes:
-        """A secure-aggregation setup or unmasking request."""
-        if not isinstance(request, dict):
-            return self.release.error("the secure-aggregation request is not an object", plain=True)
-        try:
-            reply = self.release.secagg.handle(request)
-        except (SecAggRefusal, ValueError, KeyError, TypeError) as err:
-            return self.release.error(f"secure aggregation ({request.get('stage')}): {err}", plain=True)
-        if request.get("stage") in ("unmask", "recover"):
-            log(self.opts, f"round {request.get('round')}: {request.get('stage')} answered "
-                           f"({len(reply.get('self-from', reply.get('key-from', [])))} share(s))")
-        return pack({"ok": True, "reply": reply})
+    rank_main(*args)
 
 
 def _lock_state_dir(state_dir: Path, *, wait_s: float = LOCK_WAIT_S, poll_s: float = 0.2) -> int:
@@ -276,7 +171,7 @@ def run_trainer(opts: TrainerOptions) -> int:
     ctx = mp.get_context("forkserver")  # torch, transformers and peft imported once, not once per rank and restart
     ctx.set_forkserver_preload(list(RANK_PRELOAD))
     procs = [
-        ctx.Process(target=_worker_main, args=(rank, opts, str(init_file), os.getpid()),
+        ctx.Process(target=_rank, args=(rank, opts, str(init_file), os.getpid()),
                     name=f"nebula-trainer-{opts.cluster_id}-{rank}")
         for rank in range(opts.workers)
     ]

@@ -9,14 +9,18 @@ by FSDP (``model/sharding.py``) is read and written as full tensors: every rank 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
 from nebula_fl.comm.validation import check_arrays
 from nebula_fl.model.frozen_a import frozen_keys
+from nebula_fl.model.peft_state import adapter_state, set_adapter_state
 from nebula_fl.model.sharding import shard_like, whole
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 Arrays = dict[str, np.ndarray]
 
@@ -24,7 +28,7 @@ Arrays = dict[str, np.ndarray]
 def adapter_arrays(model: PeftModel) -> Arrays:
     """Copies of the exchanged adapter tensors as float32 NumPy arrays, keyed as PEFT names them."""
     fixed = frozen_keys(model)
-    return {k: whole(v.detach()).cpu().float().numpy().copy() for k, v in get_peft_model_state_dict(model).items()
+    return {k: whole(v.detach()).cpu().float().numpy().copy() for k, v in adapter_state(model).items()
             if k not in fixed}
 
 
@@ -37,7 +41,7 @@ def adapter_parameters(model: PeftModel) -> dict[str, torch.nn.Parameter]:
     parameter behind it is left out (the caller checks)."""
     by_storage = {_storage(p): p for p in model.parameters() if p.requires_grad}
     fixed = frozen_keys(model)
-    found = {k: by_storage.get(_storage(v)) for k, v in get_peft_model_state_dict(model).items() if k not in fixed}
+    found = {k: by_storage.get(_storage(v)) for k, v in adapter_state(model).items() if k not in fixed}
     return {k: p for k, p in found.items() if p is not None}
 
 
@@ -54,12 +58,12 @@ def load_adapter_arrays(model: PeftModel, arrays: Mapping[str, np.ndarray]) -> N
     """Set the model's adapter to `arrays`, which must match its keys and shapes exactly."""
     check_arrays(expected=adapter_shapes(model), arrays=arrays, what="adapter")
     device = next(model.parameters()).device
-    now = get_peft_model_state_dict(model)
+    now = adapter_state(model)
     state = {k: shard_like(now[k], torch.as_tensor(np.asarray(v), dtype=torch.float32, device=device))
              for k, v in arrays.items()}
-    set_peft_model_state_dict(model, state)
+    set_adapter_state(model, state)
 
 
 def adapter_shapes(model: PeftModel) -> dict[str, tuple[int, ...]]:
     fixed = frozen_keys(model)
-    return {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model).items() if k not in fixed}
+    return {k: tuple(v.shape) for k, v in adapter_state(model).items() if k not in fixed}

@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from peft import PeftModel, get_peft_model_state_dict
+
+from nebula_fl.model.peft_state import adapter_state
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 FROZEN_KEYS = "nebula_fl_frozen_keys"  # attribute on the PeftModel: adapter keys that never cross the WAN
 
@@ -32,7 +37,7 @@ def shared_a(seed: int, key: str, shape: tuple[int, int]) -> torch.Tensor:
 
 def freeze_shared_a(model: PeftModel, *, seed: int) -> None:
     """Set every LoRA A to its shared draw and freeze it; record which adapter keys are now fixed."""
-    keys = [k for k in get_peft_model_state_dict(model) if ".lora_A." in k]
+    keys = [k for k in adapter_state(model) if ".lora_A." in k]
     params = {name: p for name, p in model.named_parameters() if ".lora_A." in name}
     for name, param in params.items():
         key = name.replace(".default", "")  # PEFT's parameter name -> its adapter state-dict key
@@ -56,7 +61,7 @@ def fingerprint(model: PeftModel) -> str:
     keys = sorted(frozen_keys(model))
     if not keys:
         return ""
-    state = get_peft_model_state_dict(model)
+    state = adapter_state(model)
     digest = hashlib.sha256()
     for key in keys:
         value = np.ascontiguousarray(whole(state[key].detach()).cpu().float().numpy())

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 
 from nebula_fl.config import ModelConfig
 from nebula_fl.errors import NebulaError
 from nebula_fl.model.classifier import SequenceClassifier
 from nebula_fl.model.frozen_a import freeze_shared_a, lora_mode
 from nebula_fl.model.locate import gguf_file, resolve_model_path
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 HEAD = "head"
 
@@ -56,6 +59,8 @@ def build_model(cfg: ModelConfig, *, num_labels: int, seed: int, path: Path | No
             f"lora-target-modules names {', '.join(missing)}, which the model in '{path}' does not have; "
             "for BERT-style models use e.g. 'query,key,value,dense'"
         )
+    from peft import LoraConfig, get_peft_model  # (first use here: see peft_state.py)
+
     lora = LoraConfig(
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
