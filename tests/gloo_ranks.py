@@ -10,8 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nebula_fl.clients.trainer_service import RANK_PRELOAD
+
 Checks = Callable[..., dict[str, Any]]
-PRELOAD = ["torch", "torch.distributed", "transformers", "peft", "opacus", "nebula_fl.clients.trainer", "tests.gloo_ranks"]
+PRELOAD = [*RANK_PRELOAD, "tests.gloo_ranks"]  # what a trainer's ranks preload, and these ranks' own module
 
 
 def _rank_main(rank: int, world: int, folder: str, checks: Checks, args: tuple) -> None:

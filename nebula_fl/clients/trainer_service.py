@@ -25,7 +25,7 @@ from typing import Any
 from nebula_fl.clients.outgoing import IN_THE_CLEAR, IN_THE_CLEAR_CLIENT_DP, in_the_clear  # noqa: F401
 from nebula_fl.clients.protocol import socket_in_use
 from nebula_fl.clients.secagg_stage import SecAggStage
-from nebula_fl.clients.trainer_options import LOCK_WAIT_S, TrainerOptions, describe  # noqa: F401 (describe: as before)
+from nebula_fl.clients.trainer_options import LOCK_WAIT_S, TrainerOptions
 from nebula_fl.devices import check_visible, resolve_precision, visible_gpus, worker_devices
 from nebula_fl.errors import NebulaError
 from nebula_fl.privacy.cluster_ledger import LEDGER_FILE, ClusterLedger
@@ -33,8 +33,8 @@ from nebula_fl.privacy.policy import POLICY_FILE, PrivacyPolicy
 
 LOCK_FILE = "trainer.lock"
 # What every rank imports (about 5 s of CPU each): the ranks' fork server imports it once for all of them.
-RANK_PRELOAD = ("torch", "torch.distributed", "transformers", "peft", "opacus", "nebula_fl.clients.rank",
-                "nebula_fl.clients.trainer_service")
+RANK_PRELOAD = ("torch", "torch.distributed", "transformers", "peft", "opacus", "nebula_fl.clients.trainer",
+                "nebula_fl.clients.rank", "nebula_fl.clients.trainer_service")
 SHARD_FILE = "shard.json"  # the shard's size and labels: for the operator, never said on the socket
 
 

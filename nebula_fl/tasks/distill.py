@@ -31,6 +31,7 @@ from nebula_fl.errors import ConfigError
 from nebula_fl.model.batches import TokenizedTexts
 from nebula_fl.model.evaluation import evaluate
 from nebula_fl.model.loading import build_model
+from nebula_fl.model.peft_state import adapter_state
 from nebula_fl.model.teacher import Teacher, load_run_teacher, train_local_teacher
 from nebula_fl.tasks.base import Examples, Task, TaskSetup
 from nebula_fl.tasks.kd import kd_loss
@@ -119,9 +120,7 @@ def truncate_encoder(model: nn.Module, *, layers: int) -> None:
     encoder.config.num_hidden_layers = layers  # type: ignore[union-attr]
     fixed = frozen_keys(model)  # frozen LoRA A of the dropped blocks no longer exist
     if fixed:
-        from peft import get_peft_model_state_dict
-
-        kept = set(get_peft_model_state_dict(model))
+        kept = set(adapter_state(model))
         setattr(model, FROZEN_KEYS, frozenset(k for k in fixed if k in kept))
 
 
