@@ -97,6 +97,19 @@ def test_kd_loss_rejects_missing_inputs():
     assert plain.item() == pytest.approx(hand_kd(2.0, 0.0), rel=1e-6)
 
 
+def test_under_sample_dp_the_students_frozen_a_keys_are_those_of_the_blocks_it_keeps(tiny2):
+    """Frozen-A (sample-level DP's default) records which adapter keys never cross the WAN; dropping blocks must drop
+    their keys from that record, or the student would expect tensors it no longer has."""
+    from nebula_fl.model.frozen_a import frozen_keys
+
+    setup = TaskSetup(model=ModelConfig(model=str(tiny2), max_seq_len=32), labels=["a", "b"], seed=0, path=tiny2,
+                      privacy_mode="sample")
+    teacher_keys = frozen_keys(make_task("classify").build_model(setup))
+    student_keys = frozen_keys(make_task("distill", {"task.student-layers": 1}).build_model(setup))
+    assert {".layer.0.", ".layer.1."} <= {k[k.index(".layer."):][:9] for k in teacher_keys}
+    assert student_keys and student_keys == {k for k in teacher_keys if ".layer.0." in k}
+
+
 def test_student_has_n_layers_and_fewer_parameters_than_the_teacher(tiny2):
     labels = ["a", "b", "c"]
     setup = setup_for(tiny2, labels)
