@@ -126,6 +126,20 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoints_and_latest_alo
     assert sorted(p.name for p in (folder.path / "checkpoint").iterdir()) == ["latest", "round-00002", "round-00003"]
 
 
+def test_folders_a_crash_left_beside_latest_go_with_the_next_save(tmp_path):
+    folder = make_run(tmp_path / "run", rounds=3)
+    root = folder.path / "checkpoint"
+    shutil.copytree(root / "round-00002", root / "round-00001")  # a crash before the pruning of round 1
+    shutil.copytree(root / "round-00003", root / "round-00004")  # a crash after the rename, before `latest` moved
+    assert folder.load_checkpoint()[0] == 3  # `latest` decides, not the newest folder
+    with pytest.raises(SafetensorError):  # they go before the next save writes: a second crash cannot pile up a fourth
+        folder.save_checkpoint(round=4, adapter=_adapter(4), state={"bad": np.array([object()], dtype=object)})
+    assert folder.checkpoint_names() == ["round-00002", "round-00003"] and folder.load_checkpoint()[0] == 3
+    folder.save_checkpoint(round=4, adapter=_adapter(4), state=_state(4))
+    assert folder.checkpoint_names() == ["round-00003", "round-00004"]
+    np.testing.assert_array_equal(folder.load_checkpoint()[1]["lora_A"], _adapter(4)["lora_A"])
+
+
 SAVER = textwrap.dedent("""
     import sys
     import numpy as np

@@ -181,6 +181,8 @@ class RunFolder:
         root.mkdir(parents=True, exist_ok=True)
         for stale in [*root.glob(".round-*.tmp"), *root.glob(".round-*.old")]:  # left by a crash mid-write
             shutil.rmtree(stale, ignore_errors=True)
+        if (committed := self._latest_name()) and (root / committed).is_dir():  # a crash before the last pruning, or after a rename but before
+            self._prune(keep=committed)  # `latest` moved, left folders the pointer does not keep
         name = folder_name(round)
         tmp = root / f".{name}.tmp"
         tmp.mkdir()
@@ -196,10 +198,22 @@ class RunFolder:
         fsync_dir(root)
         write_durably(root / LATEST, pointer_text(name, digest).encode())
         fsync_dir(root)
+        self._prune(keep=name)
+
+    def _latest_name(self) -> str | None:
+        """The folder ``latest`` names, or None when it is missing or unreadable (then nothing is pruned)."""
+        try:
+            return parse_pointer((self.path / CHECKPOINTS / LATEST).read_bytes())[0]
+        except (OSError, CheckpointDamage):
+            return None
+
+    def _prune(self, *, keep: str) -> None:
+        """Delete every checkpoint but `keep` and the newest one before it."""
+        root = self.path / CHECKPOINTS
         names = self.checkpoint_names()
-        keep = {name, *[n for n in names if (round_of(n) or 0) < round][-1:]}
+        kept = {keep, *[n for n in names if (round_of(n) or 0) < (round_of(keep) or 0)][-1:]}
         for stale_name in names:
-            if stale_name not in keep:  # renamed first, so a crash mid-delete leaves no half checkpoint behind
+            if stale_name not in kept:  # renamed first, so a crash mid-delete leaves no half checkpoint behind
                 os.replace(root / stale_name, root / f".{stale_name}.old")
                 shutil.rmtree(root / f".{stale_name}.old", ignore_errors=True)
 
