@@ -1,10 +1,10 @@
 """TLS and SuperNode authentication with the real Flower processes: through the emulated WAN no run of the
-adapter's bytes is visible, while without TLS it is; the same `nebula-fl run --secure` federation completes and
-resumes on the same certificates; a SuperNode whose key was never registered is refused."""
+adapter's bytes is visible (without TLS it is: test_e2e's two-cluster run is the search's control); the same
+`nebula-fl run --secure` federation completes and resumes on the same certificates; a SuperNode whose key was never
+registered is refused."""
 
 import json
 import os
-import shutil
 import signal
 import time
 import tomllib
@@ -23,11 +23,10 @@ from nebula_fl.launcher.plan import free_port, port_free
 from nebula_fl.launcher.processes import ProcessSet
 from nebula_fl.launcher.secure import Transport, transport_for
 from nebula_fl.security import make_certificates
-from nebula_fl.wan.capture import CAPTURE_DIR_ENV, read_capture
+from nebula_fl.wan.capture import CAPTURE_DIR_ENV
 from tests.conftest import same_start
 from tests.test_e2e import rounds_of, smoke_args
-
-WINDOW = 32
+from tests.wan_capture_search import captured_streams, found, lora_b_windows, windows
 
 
 def _wait_for(condition, timeout: float, what: str) -> None:
@@ -203,68 +202,35 @@ def _check_secure_run_then_resume(cli, out, run_cli) -> None:
     assert rounds_of(out) == [1, 2, 3]
 
 
-def _windows(data: bytes) -> set[bytes]:
-    """Every 32-byte window of ``data`` that looks like float data (not a run of zeros or repeats)."""
-    return {w for i in range(len(data) - WINDOW + 1) if len(set(w := data[i:i + WINDOW])) >= 16}
-
-
-def _found(streams: dict, windows: set[bytes]) -> set[bytes]:
-    hits = set()
-    for stream in streams.values():
-        for i in range(len(stream) - WINDOW + 1):
-            if (w := stream[i:i + WINDOW]) in windows:
-                hits.add(w)
-    return hits
-
-
 def _run_captured(tiny_model, run_cli, tmp_path, monkeypatch, name, *extra):
     """A 2-round smoke run through the WAN proxies, recording every byte they forward; returns (the global adapter
-    after round 1, copied while the run goes on; the final adapter; the captured streams; the finished launch)."""
+    after round 1, the final adapter, the captured streams, the finished launch)."""
     out, capture = tmp_path / name, tmp_path / f"{name}-capture"
     monkeypatch.setenv(CAPTURE_DIR_ENV, str(capture))
-    first = tmp_path / f"{name}-round-1.safetensors"
-
-    def copy_round_one() -> bool:
-        src = out / "checkpoint" / "round-00001" / "adapter.safetensors"
-        if not first.exists() and src.exists():
-            shutil.copyfile(src, first)
-        return False
-
     started = time.monotonic()
     cli = run_cli(*smoke_args(tiny_model, out, "--wan", "100mbit:20ms", *extra), name=name)
-    assert cli.wait(300, until=copy_round_one) == 0, cli.output()[-4000:]
+    assert cli.wait(300) == 0, cli.output()[-4000:]
     print(f"{name} run through the WAN: {time.monotonic() - started:.0f} s")
     assert cli.survivors() == []
-    assert rounds_of(out) == [1, 2] and first.exists()
-    streams: dict = {}
-    for path in sorted(capture.glob("*.cap")):
-        streams.update({(path.name, *key): data for key, data in read_capture(path).items()})
+    assert rounds_of(out) == [1, 2]
     assert len(list(capture.glob("*.cap"))) == 2
     superlink_log = (out / "logs" / "superlink.log").read_text()
     assert ("SuperNode authentication is disabled" in superlink_log) == ("--secure" not in extra)
-    return load_file(str(first)), load_file(str(out / "adapter.safetensors")), streams, cli
+    first = load_file(str(out / "checkpoint" / "round-00001" / "adapter.safetensors"))  # the two newest are kept
+    return first, load_file(str(out / "adapter.safetensors")), captured_streams(capture), cli
 
 
-def test_with_tls_no_adapter_bytes_cross_the_wan_and_without_it_they_do_and_a_secure_run_resumes(
+def test_with_tls_no_adapter_bytes_cross_the_wan_and_a_secure_run_resumes(
         tiny_model, run_cli, tmp_path, monkeypatch):
-    # LoRA B factors start at zero, so round 2's downlink (the change since the initial adapter, codec
-    # "none": raw float32) carries round 1's global B factors verbatim. The final adapter is never sent
-    # (the run ends after aggregating it); it is searched for too, but only round 1's can tell.
-    plain_r1, _, plain, _ = _run_captured(tiny_model, run_cli, tmp_path, monkeypatch, "plain")
+    # LoRA B factors start at zero, so round 2's downlink (the change since the initial adapter, codec "none": raw
+    # float32) carries round 1's global B factors verbatim. The final adapter is never sent (the run ends after
+    # aggregating it); it is searched for too, but only round 1's can tell. The control, that this search finds them
+    # in the same federation without TLS, is test_e2e's two-cluster run (one launch fewer here).
     secure_r1, secure_final, tls, secure = _run_captured(tiny_model, run_cli, tmp_path, monkeypatch, "tls", "--secure")
-
-    plain_b = _windows(b"".join(v.tobytes() for k, v in sorted(plain_r1.items()) if "lora_B" in k))
-    assert len(plain_b) > 1000
-    seen = _found(plain, plain_b)
-    assert len(seen) > 0.5 * len(plain_b), f"control: only {len(seen)} of {len(plain_b)} windows seen in plaintext"
-    print(f"plaintext: {len(seen)} of {len(plain_b)} windows seen in {sum(map(len, plain.values()))} bytes; "
-          f"TLS capture: {sum(map(len, tls.values()))} bytes")
-    assert any(b"POST /" in data for data in plain.values())
-
-    secret = _windows(b"".join(v.tobytes() for k, v in sorted(secure_r1.items()) if "lora_B" in k))
-    secret |= _windows(b"".join(v.tobytes() for _, v in sorted(secure_final.items())))
-    secret |= _windows(b"".join(v.tobytes() for _, v in sorted(secure_r1.items())))
-    assert _found(tls, secret) == set()
+    secret = lora_b_windows(secure_r1) | windows(b"".join(v.tobytes() for _, v in sorted(secure_final.items())))
+    secret |= windows(b"".join(v.tobytes() for _, v in sorted(secure_r1.items())))
+    assert len(lora_b_windows(secure_r1)) > 1000
+    assert found(tls, secret) == set()
     assert not any(b"POST /" in data or b"HTTP/1.1" in data for data in tls.values())
     ups = [data for (_, _, direction), data in tls.items() if direction == "up" and data]
     assert ups and all(data[0] == 0x16 and data[1] == 0x03 for data in ups)  # each connection opens with a TLS handshake

@@ -32,8 +32,9 @@ from nebula_fl.privacy.cluster_ledger import LEDGER_FILE, ClusterLedger
 from nebula_fl.privacy.policy import POLICY_FILE, PrivacyPolicy
 
 LOCK_FILE = "trainer.lock"
-# What every rank imports (about 5 s of CPU each): the ranks' fork server imports it once for all of them.
-RANK_PRELOAD = ("torch", "torch.distributed", "transformers", "peft", "opacus", "nebula_fl.clients.trainer",
+# What every rank imports (about 5 s of CPU each): the ranks' fork server imports it once for all of them. Opacus
+# (1.2 s more) is not among them: only a round under sample-level DP needs it, and then each rank imports it once.
+RANK_PRELOAD = ("torch", "torch.distributed", "transformers", "peft", "nebula_fl.clients.trainer",
                 "nebula_fl.clients.rank", "nebula_fl.clients.trainer_service")
 SHARD_FILE = "shard.json"  # the shard's size and labels: for the operator, never said on the socket
 
