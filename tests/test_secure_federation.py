@@ -5,6 +5,7 @@ registered is refused."""
 
 import json
 import os
+import shutil
 import signal
 import time
 import tomllib
@@ -26,6 +27,7 @@ from nebula_fl.security import make_certificates
 from nebula_fl.wan.capture import CAPTURE_DIR_ENV
 from tests.conftest import same_start
 from tests.test_e2e import rounds_of, smoke_args
+from tests.test_foreign_bundle import ROUNDS, check_foreign_bundle_refused, submit_foreign_bundle
 from tests.wan_capture_search import captured_streams, found, lora_b_windows, windows
 
 
@@ -166,7 +168,7 @@ def test_an_unregistered_supernode_is_refused_by_a_secured_superlink(tmp_path):
 
 
 # -- real federations ----------------------------------------------------------------------------------
-def _check_secure_run_then_resume(cli, out, run_cli) -> None:
+def _check_secure_run_then_resume(cli, out, run_cli, *, rounds: int) -> None:
     """A finished `--secure` run: TLS and SuperNode auth everywhere, each SuperNode under the node id its key was
     registered as; then --resume takes --secure from the record, reuses the certificates and registers again."""
     assert cli.survivors() == [], "processes outlived the launcher"
@@ -186,47 +188,57 @@ def _check_secure_run_then_resume(cli, out, run_cli) -> None:
     assert connection["root-certificates"] == str(out / "certs" / "ca.crt") and "insecure" not in connection
     assert json.loads((out / "config.json").read_text())["launcher"]["secure"] is True
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["rounds_completed"] == 2
+    assert summary["status"] == "completed" and summary["rounds_completed"] == rounds
     certs = {p.name: p.read_bytes() for p in (out / "certs").iterdir()}
     assert set(certs) == {"ca.crt", "ca.key", "server.crt", "server.key", "cluster-0", "cluster-0.pub",
                           "cluster-1", "cluster-1.pub"}
 
     started = time.monotonic()
-    resumed = run_cli("run", "--resume", str(out), "--rounds", "3", "--port", "0", name="resume")
+    resumed = run_cli("run", "--resume", str(out), "--rounds", str(rounds + 1), "--port", "0", name="resume")
     assert resumed.wait(300) == 0, resumed.output()[-4000:]
     print(f"secure resume (1 more round): {time.monotonic() - started:.0f} s")
     assert resumed.survivors() == []
     assert not any("--insecure" in c for c in _flower_cmds(resumed))
     assert resumed.output().count("SuperNode key registered as node") == 2
     assert {p.name: p.read_bytes() for p in (out / "certs").iterdir()} == certs
-    assert rounds_of(out) == [1, 2, 3]
+    assert rounds_of(out) == list(range(1, rounds + 2))
 
 
-def _run_captured(tiny_model, run_cli, tmp_path, monkeypatch, name, *extra):
-    """A 2-round smoke run through the WAN proxies, recording every byte they forward; returns (the global adapter
-    after round 1, the final adapter, the captured streams, the finished launch)."""
-    out, capture = tmp_path / name, tmp_path / f"{name}-capture"
-    monkeypatch.setenv(CAPTURE_DIR_ENV, str(capture))
-    started = time.monotonic()
-    cli = run_cli(*smoke_args(tiny_model, out, "--wan", "100mbit:20ms", *extra), name=name)
-    assert cli.wait(300) == 0, cli.output()[-4000:]
-    print(f"{name} run through the WAN: {time.monotonic() - started:.0f} s")
-    assert cli.survivors() == []
-    assert rounds_of(out) == [1, 2]
-    assert len(list(capture.glob("*.cap"))) == 2
-    superlink_log = (out / "logs" / "superlink.log").read_text()
-    assert ("SuperNode authentication is disabled" in superlink_log) == ("--secure" not in extra)
-    first = load_file(str(out / "checkpoint" / "round-00001" / "adapter.safetensors"))  # the two newest are kept
-    return first, load_file(str(out / "adapter.safetensors")), captured_streams(capture), cli
-
-
-def test_with_tls_no_adapter_bytes_cross_the_wan_and_a_secure_run_resumes(
+def test_over_tls_no_adapter_bytes_cross_the_wan_no_foreign_bundle_runs_and_the_run_resumes(
         tiny_model, run_cli, tmp_path, monkeypatch):
+    """One `--secure` federation through the emulated WAN, every byte the proxies forward recorded, attacked twice:
+    by a wire tap and by someone holding only the SuperLink's address who submits a foreign app bundle mid-run
+    (tests/test_foreign_bundle.py has its control: a stock SuperNode runs it). Then resumed on its certificates."""
+    out, capture, marks = tmp_path / "tls", tmp_path / "tls-capture", tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv(CAPTURE_DIR_ENV, str(capture))
+    first = tmp_path / "round-1.safetensors"
+
+    def copy_round_one() -> bool:  # later rounds prune it
+        src = out / "checkpoint" / "round-00001" / "adapter.safetensors"
+        if not first.exists() and src.exists():
+            shutil.copyfile(src, first)
+        return False
+
+    # rounds enough that the federation is still running when the foreign run's replies come back (~15 s after
+    # round 1: the submission, the foreign ServerApp's start, two Flower hops)
+    cli = run_cli(*smoke_args(tiny_model, out, "--wan", "100mbit:20ms", "--secure", "--rounds", str(ROUNDS)), name="tls")
+    cli.wait(300, until=lambda: copy_round_one() or (out / "metrics.jsonl").exists())
+    assert cli.popen.poll() is None, cli.output()[-3000:]
+    submit_foreign_bundle(out, tmp_path, marks)
+    assert cli.popen.poll() is None and len(rounds_of(out)) < ROUNDS  # the federation was still at work meanwhile
+    assert cli.wait(300, until=copy_round_one) == 0, cli.output()[-4000:]
+    assert cli.survivors() == []
+    assert rounds_of(out) == list(range(1, ROUNDS + 1)) and first.exists()
+    check_foreign_bundle_refused(out, marks, rounds=ROUNDS)
+
     # LoRA B factors start at zero, so round 2's downlink (the change since the initial adapter, codec "none": raw
     # float32) carries round 1's global B factors verbatim. The final adapter is never sent (the run ends after
     # aggregating it); it is searched for too, but only round 1's can tell. The control, that this search finds them
-    # in the same federation without TLS, is test_e2e's two-cluster run (one launch fewer here).
-    secure_r1, secure_final, tls, secure = _run_captured(tiny_model, run_cli, tmp_path, monkeypatch, "tls", "--secure")
+    # in the same federation without TLS, is test_e2e's two-cluster run.
+    secure_r1, secure_final = load_file(str(first)), load_file(str(out / "adapter.safetensors"))
+    tls = captured_streams(capture)
+    assert len(list(capture.glob("*.cap"))) == 2
     secret = lora_b_windows(secure_r1) | windows(b"".join(v.tobytes() for _, v in sorted(secure_final.items())))
     secret |= windows(b"".join(v.tobytes() for _, v in sorted(secure_r1.items())))
     assert len(lora_b_windows(secure_r1)) > 1000
@@ -237,6 +249,6 @@ def test_with_tls_no_adapter_bytes_cross_the_wan_and_a_secure_run_resumes(
     payload = sum(v.nbytes for v in secure_final.values())
     assert sum(len(d) for d in tls.values()) > 2 * payload  # the updates did cross, encrypted
 
-    # the same secure run, checked as a secure federation, then resumed on its certificates (one launch fewer)
+    # checked as a secure federation, then resumed on its certificates
     monkeypatch.delenv(CAPTURE_DIR_ENV)
-    _check_secure_run_then_resume(secure, tmp_path / "tls", run_cli)
+    _check_secure_run_then_resume(cli, out, run_cli, rounds=ROUNDS)
