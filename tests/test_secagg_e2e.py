@@ -1,4 +1,4 @@
-"""Secure aggregation end to end on real Flower processes: 3 clusters, 3 rounds, random-k, the tiny model.
+"""Secure aggregation end to end on real Flower processes: 3 clusters, 2 or 3 rounds, random-k, the tiny model.
 
 The same run without secure aggregation (same seed) is the reference: masking, the field encoding and the
 extra unmask trip must not change what the federation learns beyond the encoding's rounding."""
@@ -25,8 +25,10 @@ def test_secure_aggregation_learns_what_the_plain_run_learns(tiny_model, run_cli
     global holds every round; round 1 applies nothing yet (its sum lands in round 2) and is no skipped round."""
     plain, secure, overlap = tmp_path / "plain", tmp_path / "secure", tmp_path / "overlap"
     # side by side: all three wait on Flower's polling far more than they compute
-    a = run_cli(*smoke_args(tiny_model, plain, *ARGS), name="plain")
-    b = run_cli(*smoke_args(tiny_model, secure, *ARGS, "--secure-aggregation"), name="secure")
+    # plain and secure: two rounds tell whether masking changed what was learnt; overlapped: three, so that a round
+    # between the first and the last shows the unmask request riding on the next round
+    a = run_cli(*smoke_args(tiny_model, plain, *ARGS, "--rounds", "2"), name="plain")
+    b = run_cli(*smoke_args(tiny_model, secure, *ARGS, "--secure-aggregation", "--rounds", "2"), name="secure")
     c = run_cli(*smoke_args(tiny_model, overlap, *ARGS, "--secure-aggregation", "--round-overlap"), name="overlap")
     assert a.wait(500) == 0, a.output()[-3000:]
     assert b.wait(500) == 0, b.output()[-3000:]
@@ -40,9 +42,9 @@ def test_secure_aggregation_learns_what_the_plain_run_learns(tiny_model, run_cli
     assert over[0]["secagg"]["setup_trips"] == 2 and all("setup_trips" not in x["secagg"] for x in over[1:])
     assert [x["clusters_aggregated"] for x in over] == [0, 3, 3]
     (ps, _), (ss, lines) = records(plain), records(secure)
-    assert ss["status"] == "completed" and ss["rounds_completed"] == 3 and not ss["skipped_rounds"]
-    assert abs(ss["final_accuracy"] - ps["final_accuracy"]) <= 0.005
-    assert [x["secagg"]["survivors"] for x in lines] == [3, 3, 3]
+    assert ss["status"] == "completed" and ss["rounds_completed"] == 2 and not ss["skipped_rounds"]
+    assert ps["rounds_completed"] == 2 and abs(ss["final_accuracy"] - ps["final_accuracy"]) <= 0.005
+    assert [x["secagg"]["survivors"] for x in lines] == [3, 3]
     assert "setup_s" in lines[0]["secagg"] and all("setup_s" not in x["secagg"] for x in lines[1:])
     clear = {k.replace("-", "_") for k in IN_THE_CLEAR} | {"bytes_up", "bytes_down", "node_id"}  # the last: the server's
     for line in lines:  # the server never saw a cluster's loss, weight, examples seen or timing
