@@ -128,6 +128,7 @@ def take_off_path(folder: Path, *modules: str) -> None:
 SHARED_FEDERATIONS = ("causal_lm_secure_federation",)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks into the work units
 def pytest_collection_modifyitems(items) -> None:
     """A test that launches `nebula-fl run` (the run_cli fixture) or reads a shared federation is an end-to-end one:
     marked so that `pytest -m "not e2e"` (`make test-fast`) iterates on the rest; `make test` runs them all."""
@@ -168,3 +169,4 @@ def causal_lm_secure_federation(tmp_path_factory):
         yield Federation(cli=cli, code=cli.wait(480), out=out)
     finally:
         cli.stop()
+
