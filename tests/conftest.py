@@ -139,11 +139,6 @@ def pytest_collection_modifyitems(items) -> None:
         for name in SHARED_FEDERATIONS:
             if name in names:
                 item.add_marker(pytest.mark.xdist_group(name))
-    # The modules that start federations run first: pytest-xdist hands tests out in this order, so the long ones
-    # start early and the many short ones fill the workers' ends (longest first, not a minute-long test last).
-    # Whole modules move, in their own order, so a module's fixtures are still set up once.
-    federating = {item.path for item in items if item.get_closest_marker("e2e")}
-    items.sort(key=lambda item: item.path not in federating)
 
 
 @dataclass
