@@ -164,4 +164,3 @@ def causal_lm_secure_federation(tmp_path_factory):
         yield Federation(cli=cli, code=cli.wait(480), out=out)
     finally:
         cli.stop()
-

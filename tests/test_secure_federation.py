@@ -28,7 +28,7 @@ from nebula_fl.wan.capture import CAPTURE_DIR_ENV
 from tests.conftest import same_start
 from tests.test_e2e import rounds_of, smoke_args
 from tests.test_foreign_bundle import ROUNDS, check_foreign_bundle_refused, submit_foreign_bundle
-from tests.wan_capture_search import captured_streams, found, lora_b_windows, windows
+from tests.wan_capture_search import adapter_windows, captured_streams, found, lora_b_windows
 
 
 def _wait_for(condition, timeout: float, what: str) -> None:
@@ -239,8 +239,7 @@ def test_over_tls_no_adapter_bytes_cross_the_wan_no_foreign_bundle_runs_and_the_
     secure_r1, secure_final = load_file(str(first)), load_file(str(out / "adapter.safetensors"))
     tls = captured_streams(capture)
     assert len(list(capture.glob("*.cap"))) == 2
-    secret = lora_b_windows(secure_r1) | windows(b"".join(v.tobytes() for _, v in sorted(secure_final.items())))
-    secret |= windows(b"".join(v.tobytes() for _, v in sorted(secure_r1.items())))
+    secret = lora_b_windows(secure_r1) | adapter_windows(secure_r1) | adapter_windows(secure_final)
     assert len(lora_b_windows(secure_r1)) > 1000
     assert found(tls, secret) == set()
     assert not any(b"POST /" in data or b"HTTP/1.1" in data for data in tls.values())

@@ -37,6 +37,11 @@ def captured_streams(capture: Path) -> dict:
     return streams
 
 
+def adapter_windows(adapter: dict) -> set[bytes]:
+    """The windows of every tensor of an adapter."""
+    return windows(b"".join(v.tobytes() for _, v in sorted(adapter.items())))
+
+
 def lora_b_windows(adapter: dict) -> set[bytes]:
     """The windows of an adapter's LoRA B factors (they start at zero, so the first change sent is them verbatim)."""
     return windows(b"".join(v.tobytes() for k, v in sorted(adapter.items()) if "lora_B" in k))

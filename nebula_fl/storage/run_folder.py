@@ -181,8 +181,9 @@ class RunFolder:
         root.mkdir(parents=True, exist_ok=True)
         for stale in [*root.glob(".round-*.tmp"), *root.glob(".round-*.old")]:  # left by a crash mid-write
             shutil.rmtree(stale, ignore_errors=True)
-        if (committed := self._latest_name()) and (root / committed).is_dir():  # a crash before the last pruning, or after a rename but before
-            self._prune(keep=committed)  # `latest` moved, left folders the pointer does not keep
+        # a crash before the last pruning, or after a rename but before `latest` moved, left folders it does not keep
+        if (committed := self._latest_name()) and (root / committed).is_dir():
+            self._prune(keep=committed)
         name = folder_name(round)
         tmp = root / f".{name}.tmp"
         tmp.mkdir()
