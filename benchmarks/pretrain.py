@@ -95,6 +95,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ddp_bytes import measure, spawnable  # beside this script, first on sys.path
 from rich.console import Console
 from rich.table import Table
 
@@ -350,7 +351,6 @@ def measure_ddp(bench: Bench, *, steps: int = 3, repeats: int = 5, device: torch
     """Data-parallel bytes per step and rank on K real DDP ranks (benchmarks/ddp_bytes.py): NCCL, one GPU a rank,
     where the benchmark runs on cuda and K GPUs are visible; otherwise gloo on CPU over 127.0.0.1 (the byte
     counts are the float32 gradients' either way)."""
-    from ddp_bytes import measure  # beside this script, first on sys.path
 
     device = device or bench.device  # where the benchmark trains (a spawned run measures from a cpu Bench)
     nccl = device.type == "cuda" and torch.cuda.device_count() >= K
@@ -613,7 +613,6 @@ def spawn_ranks(job: dict) -> list[dict]:
     import tempfile
 
     import torch.multiprocessing as mp
-    from ddp_bytes import spawnable  # beside this script, first on sys.path
 
     with spawnable("pretrain", "rank_main") as worker, tempfile.TemporaryDirectory(prefix="pretrain-ranks-") as tmp:
         job = {**job, "init_file": str(Path(tmp, "rendezvous")), "runs_file": str(Path(tmp, "runs.json"))}

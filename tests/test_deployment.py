@@ -3,6 +3,7 @@ and the SuperNode and its ClientApp runner as another; the kernel, asked as the 
 the trainer's (data, state folder, policy) but its socket, through which `hello` says nothing of the data."""
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -36,18 +37,22 @@ pytestmark = [pytest.mark.e2e,
 def _python_reachable():
     """The deployment's users run this Python. Where it lives under a folder they cannot search (this sandbox's
     interpreter is under /root, mode 0700), the folder is made searchable by others (o+x: not listable) for the
-    test and restored after: an installed deployment puts nebula-fl where its service users can run it."""
-    changed = []
-    for folder in [*Path(os.path.realpath(sys.executable)).parents, *REPO.parents, REPO]:
-        mode = folder.stat().st_mode
-        if not mode & stat.S_IXOTH:
-            folder.chmod(stat.S_IMODE(mode) | stat.S_IXOTH)
-            changed.append((folder, stat.S_IMODE(mode)))
-    try:
-        yield
-    finally:
-        for folder, mode in changed:
-            folder.chmod(mode)
+    test and restored after: an installed deployment puts nebula-fl where its service users can run it. Tests on
+    other workers take turns under one lock: one restoring /root while another's users still run would refuse it
+    (`env: 'nebula-fl': Permission denied`, seen in CI)."""
+    with open("/tmp/nebula-fl-python-reachable.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        changed = []
+        for folder in [*Path(os.path.realpath(sys.executable)).parents, *REPO.parents, REPO]:
+            mode = folder.stat().st_mode
+            if not mode & stat.S_IXOTH:
+                folder.chmod(stat.S_IMODE(mode) | stat.S_IXOTH)
+                changed.append((folder, stat.S_IMODE(mode)))
+        try:
+            yield
+        finally:
+            for folder, mode in changed:
+                folder.chmod(mode)
 
 
 def _as(uid: int, gid: int, groups: list[int], code: str) -> subprocess.CompletedProcess:

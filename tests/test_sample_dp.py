@@ -122,3 +122,24 @@ def test_the_loaded_global_adapter_is_what_opacus_trains(parts):
         b = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     torch.testing.assert_close(a, b)
     assert 0 < training.sample_rate <= 1
+
+
+def test_an_empty_poisson_batch_of_the_encoder_is_a_pure_noise_step(parts):
+    """Expected batch 1 of 8 texts: some Poisson batches are empty. BERT cannot run on zero rows, so the step must
+    not call it; it still adds noise to every weight and reports a NaN loss, and training carries on."""
+    fresh, data = parts
+    model = fresh()
+    params = [p for p in model.parameters() if p.requires_grad]
+    training = make_private(model=model, optimizer=torch.optim.SGD(params, lr=0.1), data=data, batch_size=1,
+                            noise_multiplier=1.0, max_grad_norm=1.0, distributed=False, physical_batch_size=1)
+    batches = Batches(training.loader)
+    torch.manual_seed(0)
+    losses, empty_moved = [], []
+    for _ in range(12):
+        before = torch.cat([p.detach().flatten().clone() for p in params])
+        losses += train_private_steps(training, batches, steps=1, device=torch.device("cpu"))
+        after = torch.cat([p.detach().flatten() for p in params])
+        assert torch.isfinite(after).all()
+        if np.isnan(losses[-1]):
+            empty_moved.append(bool((after != before).all()))
+    assert empty_moved and all(empty_moved) and np.isfinite(losses).any()

@@ -81,8 +81,6 @@ class PerExample:
     loss: Callable[[nn.Module, Batch], torch.Tensor]
     lengths: np.ndarray | None = None
     """Tokens per example, to cut a logical batch into chunks of similar lengths; None keeps the sampled order."""
-    forward_empty: bool = True
-    """Whether the model runs on a batch of zero rows (a decoder does not: its attention reshapes fail)."""
 
 
 def token_texts(data: TokenizedTexts, *, loss: Callable[[nn.Module, Batch], torch.Tensor] = class_loss) -> PerExample:
@@ -109,12 +107,12 @@ class Indices(Dataset):
         return (torch.tensor(int(i), dtype=torch.long),)
 
 
-def indexed(examples, *, loss: Callable[[nn.Module, Batch], torch.Tensor], lengths: np.ndarray | None = None,
-            forward_empty: bool = False) -> PerExample:
+def indexed(examples, *, loss: Callable[[nn.Module, Batch], torch.Tensor],
+            lengths: np.ndarray | None = None) -> PerExample:
     """Any task's ``Examples``, sampled by index and batched by their own ``batch``."""
     return PerExample(dataset=Indices(len(examples)), collate=lambda rows: [torch.stack([r[0] for r in rows])],
                       to_batch=lambda raw, device: examples.batch(raw[0].numpy(), device), loss=loss,
-                      lengths=lengths, forward_empty=forward_empty)
+                      lengths=lengths)
 
 
 @dataclass
@@ -233,9 +231,10 @@ def train_private_steps(training: PrivateTraining, batches: Batches, *, steps: i
         raw = batches.next()
         rows = int(raw[0].shape[0])
         # An empty Poisson batch (rare) is stepped too: no per-example gradient, so the step is pure noise, as
-        # the mechanism requires; its loss is NaN and is left out of the mean. A model that cannot run on zero
-        # rows gets the empty per-example gradients its forward and backward passes would have left.
-        if rows == 0 and not training.data.forward_empty:
+        # the mechanism requires; its loss is NaN and is left out of the mean. The model is not run on zero rows
+        # (attention reshapes fail on them, BERT's and decoders' alike): it gets the empty per-example gradients
+        # its forward and backward passes would have left.
+        if rows == 0:
             for p in optimizer.params:
                 p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
         else:

@@ -308,14 +308,12 @@ class CausalLMTask(Task):
                              exact_match_tokens=self.opts.exact_match_tokens)
 
     def private_examples(self, data: Examples) -> PerExample:
-        """Records sampled by index, in chunks of similar lengths; an empty Poisson batch skips the decoder (it cannot
-        run on zero rows). ``loss`` weighs every record the same, as Opacus's per-example mean needs (every record
+        """Records sampled by index, in chunks of similar lengths. ``loss`` weighs every record the same, as Opacus's per-example mean needs (every record
         has a learned token, so its mean runs over the whole batch)."""
         from nebula_fl.privacy.sample_dp import indexed
 
         records: CausalRecords = data  # type: ignore[assignment]
-        return indexed(records, loss=self.loss, lengths=np.array([len(x) for x in records.ids], dtype=np.int64),
-                       forward_empty=False)
+        return indexed(records, loss=self.loss, lengths=np.array([len(x) for x in records.ids], dtype=np.int64))
 
     def format_prompt(self, tokenizer, prompt: str) -> str:
         """What the model is fed before it answers `prompt`, as in training (for generation)."""
