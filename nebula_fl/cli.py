@@ -105,6 +105,10 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
                    "default 30")
     p.add_argument("--state-dir", default="nebula-trainer-state",
                    help="the cluster's own folder: its privacy ledger (for life), round snapshots, reply cache")
+    p.add_argument("--rank-host", metavar="SOCKET",
+                   help="fork the ranks from this rank host, which `nebula-fl run` starts for the clusters it runs on "
+                   "one machine (their torch, transformers and peft imported once for all); the host must be this "
+                   "user's. Default: the trainer's own fork server")
     policy = p.add_argument_group(
         "privacy policy: what this cluster allows to leave it, whatever the server asks (flags override the file)")
     policy.add_argument("--privacy-policy", metavar="FILE", help="a JSON file with the fields below")
@@ -394,6 +398,7 @@ def _trainer(args: argparse.Namespace) -> int:
         shard=shard, workers=args.workers, device=args.device, precision=args.precision, threads=threads, policy=policy,
         slowdown=args.slowdown, lock_wait_s=args.lock_wait, parallel=args.parallel,
         socket_group=_group_id(args.socket_group),
+        rank_host=None if args.rank_host is None else Path(args.rank_host).expanduser().resolve(),
     )
     return run_trainer(opts)
 

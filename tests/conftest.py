@@ -47,12 +47,48 @@ def nebula_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "nebula_fl", *args]
 
 
-def launch_trainer(args: list[str], *, sock: Path, log_path: Path, timeout: float = 120.0):
-    """Start `nebula-fl trainer ARGS` and wait until it answers `hello` on `sock`; returns (process, hello reply)."""
+_RANK_HOST: dict = {}
+
+
+def shared_rank_host() -> Path:
+    """This test process's rank host (``nebula_fl/clients/rank_host.py``), started at its first use: the trainers
+    the tests start fork their ranks from it, so torch, transformers and peft are imported once per test process
+    rather than once per trainer (about 9 s of CPU each). Stopped when the session ends (`_stop_rank_host`)."""
+    import tempfile
+
+    from nebula_fl.lifetime import preexec_die_with_parent
+
+    if "proc" not in _RANK_HOST:
+        folder = Path(tempfile.mkdtemp(prefix="nebula-rank-host-"))
+        sock = folder / "host.sock"
+        with (folder / "host.log").open("w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "nebula_fl.clients.rank_host", "--socket", str(sock)],
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    preexec_fn=preexec_die_with_parent(signal.SIGTERM))
+        _RANK_HOST.update(proc=proc, sock=sock, folder=folder)
+    assert _RANK_HOST["proc"].poll() is None, (_RANK_HOST["folder"] / "host.log").read_text()
+    return _RANK_HOST["sock"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_rank_host():
+    yield
+    if "proc" in _RANK_HOST:
+        import shutil
+
+        _RANK_HOST["proc"].terminate()
+        _RANK_HOST["proc"].wait(30)
+        shutil.rmtree(_RANK_HOST["folder"], ignore_errors=True)
+
+
+def launch_trainer(args: list[str], *, sock: Path, log_path: Path, timeout: float = 120.0, rank_host: bool = True):
+    """Start `nebula-fl trainer ARGS` and wait until it answers `hello` on `sock`; returns (process, hello reply).
+    Its ranks come from this process's shared rank host, or with `rank_host=False` from its own fork server."""
     from nebula_fl.clients.protocol import request
     from nebula_fl.errors import NebulaError
 
-    proc = subprocess.Popen(nebula_cmd("trainer", *args), stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+    host = ["--rank-host", str(shared_rank_host())] if rank_host else []
+    proc = subprocess.Popen(nebula_cmd("trainer", *args, *host), stdout=log_path.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     while True:
         try:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nebula_fl.clients.trainer_service import RANK_PRELOAD
+from nebula_fl.clients.rank_host import RANK_PRELOAD
 
 Checks = Callable[..., dict[str, Any]]
 PRELOAD = [*RANK_PRELOAD, "tests.gloo_ranks"]  # what a trainer's ranks preload, and these ranks' own module

@@ -32,9 +32,10 @@ def trainer_cmd(tmp_path, tiny_model, *extra):
     return nebula_cmd("trainer", *trainer_args(tmp_path, tiny_model, *extra))
 
 
-def start(tmp_path, tiny_model, *extra, name="t"):
+def start(tmp_path, tiny_model, *extra, name="t", rank_host=True):
     sock = tmp_path / "t.sock"
-    proc, _ = launch_trainer(trainer_args(tmp_path, tiny_model, *extra), sock=sock, log_path=tmp_path / f"{name}.log")
+    proc, _ = launch_trainer(trainer_args(tmp_path, tiny_model, *extra), sock=sock, log_path=tmp_path / f"{name}.log",
+                             rank_host=rank_host)
     return proc, sock
 
 
@@ -122,7 +123,7 @@ def test_the_server_can_neither_weaken_the_policy_nor_replay_a_release(tmp_path,
 
 def test_a_stalled_client_holds_nothing_and_a_live_trainer_is_never_taken_over(tmp_path, tiny_model, make):
     make_config, adapter = make
-    proc, sock = start(tmp_path, tiny_model)
+    proc, sock = start(tmp_path, tiny_model, rank_host=False)  # its ranks are its own fork server's children
     stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         stalled.connect(str(sock))  # connects, then says nothing

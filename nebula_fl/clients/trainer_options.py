@@ -29,6 +29,7 @@ class TrainerOptions:
     lock_wait_s: float = LOCK_WAIT_S  # how long to wait for the trainer before this one on the state folder
     parallel: str = "ddp"  # "ddp" or "fsdp": how the workers share the model (model/sharding.py)
     socket_group: int | None = None  # a group whose members may connect (the SuperNode's user); None: this user only
+    rank_host: Path | None = None  # a rank host's socket (rank_host.py) to fork the ranks; None: its own fork server
 
 
 def describe(opts: TrainerOptions) -> dict[str, Any]:

@@ -24,18 +24,15 @@ from typing import Any
 # (IN_THE_CLEAR, IN_THE_CLEAR_CLIENT_DP and in_the_clear are importable from here too, as before outgoing.py)
 from nebula_fl.clients.outgoing import IN_THE_CLEAR, IN_THE_CLEAR_CLIENT_DP, in_the_clear  # noqa: F401
 from nebula_fl.clients.protocol import socket_in_use
+from nebula_fl.clients.rank_host import RANK_PRELOAD, HostedRank, RankHostClient
 from nebula_fl.clients.secagg_stage import SecAggStage
-from nebula_fl.clients.trainer_options import LOCK_WAIT_S, TrainerOptions
+from nebula_fl.clients.trainer_options import LOCK_WAIT_S, TrainerOptions, log
 from nebula_fl.devices import check_visible, resolve_precision, visible_gpus, worker_devices
 from nebula_fl.errors import NebulaError
 from nebula_fl.privacy.cluster_ledger import LEDGER_FILE, ClusterLedger
 from nebula_fl.privacy.policy import POLICY_FILE, PrivacyPolicy
 
 LOCK_FILE = "trainer.lock"
-# What every rank imports (about 5 s of CPU each): the ranks' fork server imports it once for all of them. Opacus
-# (1.2 s more) is not among them: only a round under sample-level DP needs it, and then each rank imports it once.
-RANK_PRELOAD = ("torch", "torch.distributed", "transformers", "peft", "nebula_fl.clients.trainer",
-                "nebula_fl.clients.rank", "nebula_fl.clients.trainer_service")
 SHARD_FILE = "shard.json"  # the shard's size and labels: for the operator, never said on the socket
 
 
@@ -152,10 +149,28 @@ def _stop_ranks(procs: list, *, grace_s: float = 5.0) -> None:
             p.join()
 
 
-def run_trainer(opts: TrainerOptions) -> int:
-    """Check everything, start the ranks and supervise them until a signal or a failure; returns the exit status."""
+def _rank_processes(opts: TrainerOptions, init_file: Path) -> list:
+    """The ranks, not yet started: from the rank host the launcher gave (``rank_host.py``: its imports shared by
+    every cluster it runs), else, or if that host cannot be reached, from this trainer's own fork server."""
     import multiprocessing as mp
 
+    names = [f"nebula-trainer-{opts.cluster_id}-{rank}" for rank in range(opts.workers)]
+    args = [(rank, opts, str(init_file), os.getpid()) for rank in range(opts.workers)]
+    if opts.rank_host is not None:
+        try:
+            host = RankHostClient(opts.rank_host)
+        except (OSError, EOFError, mp.AuthenticationError) as err:
+            log(opts, f"the rank host at '{opts.rank_host}' cannot be reached ({type(err).__name__}); the ranks start "
+                "from this trainer's own fork server", error=True)
+        else:
+            return [HostedRank(host, name=name, args=a) for name, a in zip(names, args, strict=True)]
+    ctx = mp.get_context("forkserver")  # torch, transformers and peft imported once, not once per rank and restart
+    ctx.set_forkserver_preload(list(RANK_PRELOAD))
+    return [ctx.Process(target=_rank, args=a, name=name) for name, a in zip(names, args, strict=True)]
+
+
+def run_trainer(opts: TrainerOptions) -> int:
+    """Check everything, start the ranks and supervise them until a signal or a failure; returns the exit status."""
     devices, precision = _check(opts)
     # Everything the trainer writes (keys, ledger, snapshots, replies) is its user's alone: the SuperNode's user, and
     # so whatever code might run as it, reaches the cluster through the socket only (ranks inherit the mask).
@@ -169,13 +184,7 @@ def run_trainer(opts: TrainerOptions) -> int:
     opts.policy.save(opts.state_dir / POLICY_FILE)
     init_file = opts.state_dir / f".ddp-init-{os.getpid()}"
     init_file.unlink(missing_ok=True)
-    ctx = mp.get_context("forkserver")  # torch, transformers and peft imported once, not once per rank and restart
-    ctx.set_forkserver_preload(list(RANK_PRELOAD))
-    procs = [
-        ctx.Process(target=_rank, args=(rank, opts, str(init_file), os.getpid()),
-                    name=f"nebula-trainer-{opts.cluster_id}-{rank}")
-        for rank in range(opts.workers)
-    ]
+    procs = _rank_processes(opts, init_file)
     stopping: dict[str, Any] = {"signal": None}
 
     def _stop(signum, _frame):

@@ -232,7 +232,11 @@ class Federation:
              "--port", str(port)],
             log_path=self.logs / "superlink.log", env=env, cwd=self.folder.path,
         )
-        # Trainers load torch and the model while the SuperLink and then the ServerApp start up.
+        # Trainers load torch and the model while the SuperLink and then the ServerApp start up; their ranks fork
+        # from one rank host, which imports torch, transformers and peft once for every cluster.
+        rank_host = socket_dir / "rank-host.sock"
+        self.procs.start("rank-host", [sys.executable, "-m", "nebula_fl.clients.rank_host", "--socket", str(rank_host)],
+                         log_path=self.logs / "rank-host.log", env=env)
         trainers = []
         roster = self._write_roster()
         for i in range(plan.clusters):
@@ -247,7 +251,7 @@ class Federation:
                 *(["--slowdown", f"{plan.slowdown_per_cluster[i]:g}"] if plan.slowdown_per_cluster else []),
                 *(["--precision", plan.precisions[i]] if plan.precisions else []),
                 *(["--parallel", plan.parallel[i]] if plan.parallel else []),
-                "--privacy-policy", str(self._write_policy(i, roster)),
+                "--privacy-policy", str(self._write_policy(i, roster)), "--rank-host", str(rank_host),
             ]
             proc = self.procs.start(f"trainer-{i}", argv, log_path=self.logs / f"trainer-{i}.log", env=env)
             trainers.append((i, sock, proc))
