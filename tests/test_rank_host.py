@@ -49,7 +49,7 @@ def ranks_logging_to(host: int, log) -> list[psutil.Process]:
     return found
 
 
-def test_hosted_ranks_train_as_the_trainers_own_are_supervised_and_die_with_it(tmp_path, tiny_model):
+def test_hosted_ranks_train_as_a_trainers_own_are_supervised_and_die_with_it_and_a_gone_host_changes_nothing(tmp_path, tiny_model):
     cfg = RunConfig().replace({"model": str(tiny_model), "local-steps": 3, "batch-size": 4, "max-seq-len": 32})
     config = {**cfg.train.to_flat(), **cfg.model.to_flat(), "labels": LABELS, "federation-id": "f", "seed": 0,
               "server-round": 1}
@@ -58,13 +58,20 @@ def test_hosted_ranks_train_as_the_trainers_own_are_supervised_and_die_with_it(t
     host = subprocess.Popen([sys.executable, "-m", "nebula_fl.clients.rank_host", "--socket", str(sock)],
                             stdout=(tmp_path / "host.log").open("w"), stderr=subprocess.STDOUT,
                             preexec_fn=preexec_die_with_parent(signal.SIGTERM))
+    stale = tmp_path / "gone.sock"  # a socket file nobody listens on, and a key: what a host that died leaves
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(stale))
+    listener.close()
+    key_path(stale).write_bytes(b"k" * 32)
     hosted = own = killed = None
     try:
         hosted, hosted_sock = trainer(tmp_path, tiny_model, "hosted", "--rank-host", str(sock))
-        own, own_sock = trainer(tmp_path, tiny_model, "own")
-        # where the ranks are: under the host, not the hosted trainer; under the other trainer's own fork server
+        own, own_sock = trainer(tmp_path, tiny_model, "own", "--rank-host", str(stale))
+        # where the ranks are: under the host, not the hosted trainer; the trainer whose host is gone said so and
+        # forked its ranks from its own fork server
         assert not descendants(hosted.pid) and len(descendants(own.pid)) >= 3  # fork server, 2 ranks (+ tracker)
         assert len(descendants(host.pid)) >= 3
+        assert f"the rank host at '{stale}' cannot be reached (ConnectionRefusedError)" in (tmp_path / "own.log").read_text()
         # the same round from the same start: the same bytes, and the round's line in the trainer's own log
         _, a = request(hosted_sock, {"op": "train", "config": config}, start)
         _, b = request(own_sock, {"op": "train", "config": config}, start)
@@ -93,27 +100,15 @@ def test_hosted_ranks_train_as_the_trainers_own_are_supervised_and_die_with_it(t
     finally:
         for proc in (hosted, own, killed):
             if proc is not None and proc.poll() is None:
-                stop_trainer(proc)
+                try:
+                    stop_trainer(proc)
+                except (AssertionError, subprocess.TimeoutExpired):
+                    proc.kill()  # its ranks die with it
         tree = [psutil.Process(pid) for pid in descendants(host.pid)]
         host.terminate()
         assert host.wait(30) == 0
         _, alive = psutil.wait_procs(tree, timeout=15)  # the fork server follows once its ranks are gone
         assert not alive, [p.cmdline() for p in alive]
-
-
-def test_a_trainer_whose_host_is_gone_forks_its_own_ranks(tmp_path, tiny_model):
-    stale = tmp_path / "gone.sock"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(stale))  # a socket file nobody listens on: what a host that died leaves
-    listener.close()
-    key_path(stale).write_bytes(b"k" * 32)
-    proc, _ = trainer(tmp_path, tiny_model, "fallback", "--rank-host", str(stale))
-    try:
-        assert len(descendants(proc.pid)) >= 3  # its own fork server and two ranks
-        log = (tmp_path / "fallback.log").read_text()
-        assert f"the rank host at '{stale}' cannot be reached (ConnectionRefusedError)" in log
-    finally:
-        stop_trainer(proc)
 
 
 def test_a_client_without_the_hosts_key_is_refused_and_the_host_serves_on():

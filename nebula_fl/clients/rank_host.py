@@ -181,8 +181,9 @@ class HostedRank:
                 pass
 
     def join(self, timeout: float | None = None) -> None:
+        """Until the host reports the exit, or the process is gone (whatever the host says), or `timeout`."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.is_alive() and (deadline is None or time.monotonic() < deadline):
+        while self.is_alive() and psutil.pid_exists(self.pid) and (deadline is None or time.monotonic() < deadline):
             if not self.host.pump(0.1):
                 time.sleep(0.1)
 
