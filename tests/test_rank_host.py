@@ -3,11 +3,13 @@ their own fork server, log where they would, are told when a rank dies and take 
 die; a host that is gone, or a client without its key, changes nothing but the imports paid."""
 
 import multiprocessing
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from multiprocessing import reduction
 from multiprocessing.connection import Client
 
 import numpy as np
@@ -123,5 +125,14 @@ def test_a_client_without_the_hosts_key_is_refused_and_the_host_serves_on():
         conn.send(("no such request", "x", ()))
         with pytest.raises(EOFError):  # a request it cannot make sense of closes that connection only
             conn.recv()
-    with Client(str(sock), family="AF_UNIX", authkey=key_path(sock).read_bytes()):
-        pass
+    # a rank that fails at once (no rank arguments), its trainer gone the moment it started: the host serves on,
+    # and the next trainer is told its rank's exit status
+    for hang_up in (True, False):
+        with Client(str(sock), family="AF_UNIX", authkey=key_path(sock).read_bytes()) as conn, \
+                open(os.devnull, "w") as devnull:
+            conn.send(("start", "broken", (dict(os.environ), os.getcwd(), 0o077)))
+            for _ in range(2):
+                reduction.send_handle(conn, devnull.fileno(), 0)
+            assert conn.recv()[:2] == ("started", 0)
+            if not hang_up:
+                assert conn.recv() == ("exited", 0, 1)

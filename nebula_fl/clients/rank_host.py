@@ -93,10 +93,11 @@ def serve(socket_path: Path, *, preload: list[str]) -> int:
                         print(f"rank host: refused a connection ({type(err).__name__})", flush=True)
                 elif ready in sentinels:
                     conn, i, p = sentinels[ready]
-                    p.join()
-                    clients[conn][i] = None
-                    _tell(conn, ("exited", i, p.exitcode))
-                else:
+                    if conn in clients:  # (not if its trainer's connection closed earlier in this pass)
+                        p.join()
+                        clients[conn][i] = None
+                        _tell(conn, ("exited", i, p.exitcode))
+                elif ready in clients:
                     _handle(ctx, ready, clients)
     finally:
         for ranks in clients.values():
@@ -122,6 +123,11 @@ def _handle(ctx, conn: Connection, clients: dict[Connection, list[Any]]) -> None
     try:
         process = ctx.Process(target=hosted_rank, args=(*args[:3], _Fd(stdout), _Fd(stderr), *args[3:]), name=name)
         process.start()
+    except Exception as err:  # that trainer's start fails (it sees the connection close); the host serves on
+        print(f"rank host: could not start {name!r} ({type(err).__name__}: {err})", flush=True)
+        _kill(clients.pop(conn))
+        conn.close()
+        return
     finally:
         os.close(stdout)
         os.close(stderr)
