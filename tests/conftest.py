@@ -104,6 +104,29 @@ def stop_trainer(proc, timeout: float = 30.0) -> None:
     assert proc.wait(timeout) == 0
 
 
+def dp_steps_one_at_a_time(training, params, *, steps: int = 12, seed: int = 0):
+    """`steps` DP-SGD steps on `training` (sample_dp.make_private), one at a time from seed `seed`, each checked to
+    leave the weights finite; returns every step's loss and, for each empty Poisson batch (NaN loss), how `params`
+    moved in that step."""
+    import math
+
+    import torch
+
+    from nebula_fl.privacy.sample_dp import Batches, train_private_steps
+
+    batches = Batches(training.loader)
+    torch.manual_seed(seed)
+    losses, empty_moves = [], []
+    for _ in range(steps):
+        before = torch.cat([p.detach().flatten().clone() for p in params])
+        losses += train_private_steps(training, batches, steps=1, device=torch.device("cpu"))
+        after = torch.cat([p.detach().flatten() for p in params])
+        assert torch.isfinite(after).all()
+        if math.isnan(losses[-1]):
+            empty_moves.append(after - before)
+    return losses, empty_moves
+
+
 def same_start(a: float, b: float) -> bool:
     """Two create-time readings of one process (they may differ by a clock adjustment; see the watchdog)."""
     from nebula_fl.launcher.watchdog import same_process_start

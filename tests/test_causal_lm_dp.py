@@ -16,6 +16,7 @@ from nebula_fl.errors import NebulaError
 from nebula_fl.privacy.sample_dp import Batches, make_private, train_private_steps
 from nebula_fl.tasks.base import TaskSetup
 from nebula_fl.tasks.causal_lm import CausalLMTask
+from tests.conftest import dp_steps_one_at_a_time
 
 SIZES = {"task.init": "scratch", "task.layers": 1, "task.hidden": 32, "task.heads": 2, "task.intermediate": 64}
 PROMPTS = ["what is the topic of: shares fell on the stock market", "the match ended in a draw after extra time",
@@ -106,17 +107,8 @@ def test_noisy_poisson_steps_move_the_adapter_and_an_empty_batch_is_a_pure_noise
     training = make_private(model=model, optimizer=torch.optim.SGD(params, lr=lr), data=task.private_examples(records),
                             batch_size=1, noise_multiplier=sigma, max_grad_norm=clip, distributed=False,
                             physical_batch_size=1)
-    batches = Batches(training.loader)
-    torch.manual_seed(0)
-    empty_moves, losses = [], []
     start = trainable(model)
-    for _ in range(12):
-        before = torch.cat([p.detach().flatten().clone() for p in params])
-        losses += train_private_steps(training, batches, steps=1, device=torch.device("cpu"))
-        after = torch.cat([p.detach().flatten() for p in params])
-        assert torch.isfinite(after).all()
-        if math.isnan(losses[-1]):
-            empty_moves.append(after - before)
+    losses, empty_moves = dp_steps_one_at_a_time(training, params)
     assert empty_moves and any(np.isfinite(losses))
     move = torch.cat(empty_moves)
     assert float(move.std()) == pytest.approx(lr * sigma * clip, rel=0.2)  # expected batch 1: no division

@@ -9,6 +9,7 @@ from nebula_fl.model.adapter import adapter_arrays, load_adapter_arrays
 from nebula_fl.model.batches import TokenizedTexts
 from nebula_fl.model.loading import build_model, load_tokenizer
 from nebula_fl.privacy.sample_dp import Batches, make_private, train_private_steps
+from tests.conftest import dp_steps_one_at_a_time
 
 TEXTS = ["the match ended in a draw", "shares fell on the stock market", "the minister resigned today",
          "a new phone was launched", "the film won an award", "profits rose sharply this year",
@@ -132,14 +133,5 @@ def test_an_empty_poisson_batch_of_the_encoder_is_a_pure_noise_step(parts):
     params = [p for p in model.parameters() if p.requires_grad]
     training = make_private(model=model, optimizer=torch.optim.SGD(params, lr=0.1), data=data, batch_size=1,
                             noise_multiplier=1.0, max_grad_norm=1.0, distributed=False, physical_batch_size=1)
-    batches = Batches(training.loader)
-    torch.manual_seed(0)
-    losses, empty_moved = [], []
-    for _ in range(12):
-        before = torch.cat([p.detach().flatten().clone() for p in params])
-        losses += train_private_steps(training, batches, steps=1, device=torch.device("cpu"))
-        after = torch.cat([p.detach().flatten() for p in params])
-        assert torch.isfinite(after).all()
-        if np.isnan(losses[-1]):
-            empty_moved.append(bool((after != before).all()))
-    assert empty_moved and all(empty_moved) and np.isfinite(losses).any()
+    losses, empty_moves = dp_steps_one_at_a_time(training, params)
+    assert empty_moves and all(bool((move != 0).all()) for move in empty_moves) and np.isfinite(losses).any()

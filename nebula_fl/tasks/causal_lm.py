@@ -308,8 +308,8 @@ class CausalLMTask(Task):
                              exact_match_tokens=self.opts.exact_match_tokens)
 
     def private_examples(self, data: Examples) -> PerExample:
-        """Records sampled by index, in chunks of similar lengths. ``loss`` weighs every record the same, as Opacus's per-example mean needs (every record
-        has a learned token, so its mean runs over the whole batch)."""
+        """Records sampled by index, in chunks of similar lengths. ``loss`` weighs every record the same, as
+        Opacus's per-example mean needs (every record has a learned token, so its mean runs over the whole batch)."""
         from nebula_fl.privacy.sample_dp import indexed
 
         records: CausalRecords = data  # type: ignore[assignment]
