@@ -69,6 +69,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                         "over what the run asks; repeatable")
     p.add_argument("--secure", action="store_true", default=None,
                    help="TLS and SuperNode authentication (certificates in RUN_DIR/certs; --resume keeps the setting)")
+    p.add_argument("--rank-host", metavar="SOCKET",
+                   help="fork every cluster's ranks from this running rank host (`python -m nebula_fl.clients.rank_host "
+                        "--socket SOCKET`, as this user) instead of starting one: runs in a row then import torch, "
+                        "transformers and peft once")
 
 
 def _add_trainer(sub: argparse._SubParsersAction) -> None:
@@ -77,6 +81,7 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
         help="start one cluster's persistent trainer (run it beside the cluster's flower-supernode)",
         description="Start a cluster trainer: WORKERS torch.distributed ranks training on this cluster's data; "
         "rank 0 serves SOCKET for the SuperNode's ClientApp (--node-config 'trainer=\"SOCKET\"').",
+        allow_abbrev=False,  # a flag is spelt out (a site file's [trainer] keys are these flags, checked exactly)
     )
     p.add_argument("--socket", required=True, help="Unix socket path the ClientApp connects to")
     p.add_argument("--socket-group", metavar="GROUP",
@@ -270,6 +275,92 @@ def _add_certs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="replace a set already in DIR")
 
 
+def _add_submit(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "submit",
+        help="start a run on a SuperLink (flwr run --stream), follow it, and exit with its outcome",
+        description="Submit APP to the SuperLink of CONNECTION (as `flwr run APP CONNECTION --stream`), stream the "
+        "run's log, and exit 0 only when it completed with at least one aggregated round; 1 when it failed, was "
+        "stopped or aggregated nothing (the last line says why); 2 when no run started. The last line also says "
+        "where the run folder is on the server host.",
+    )
+    p.add_argument("app", nargs="?", default=".", help="the app folder flwr run takes (default: .)")
+    p.add_argument("connection", nargs="?", help="a connection of $FLWR_HOME/config.toml (default: its default)")
+    p.add_argument("--run-config", action="append", default=[], metavar="'K=V ...'",
+                   help="run configuration overrides, as for flwr run; repeatable")
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from nebula_fl.launcher.submit import submit
+
+    return submit(app=args.app, connection=args.connection, run_config=args.run_config)
+
+
+def _add_site(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "site",
+        help="run one cluster (trainer, SuperNode, ClientApp runner) from a config file, supervised",
+        description="Start this cluster's trainer, its flower-supernode and its ClientApp runner as site.toml says, "
+        "restart any that dies (with backoff; a SuperNode refused as still online is retried), serve GET /health, "
+        "and stop them all on SIGTERM. One command for a service manager (examples/sites/).",
+    )
+    p.add_argument("--config", required=True, help="the site's TOML file")
+    p.add_argument("--check", action="store_true", help="check the file and exit (0: it would start)")
+
+
+def _add_server(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "server",
+        help="run the server host's SuperLink from a config file, supervised",
+        description="Start flower-superlink as server.toml says (reachable address, TLS, SuperNode authentication, "
+        "a persistent database), register the listed SuperNode keys, restart it if it dies, serve GET /health, and "
+        "stop it on SIGTERM. Submit runs to it with `nebula-fl submit`.",
+    )
+    p.add_argument("--config", required=True, help="the server's TOML file")
+    p.add_argument("--check", action="store_true", help="check the file and exit (0: it would start)")
+
+
+def _check_trainer_flags(flags: list[str], *, where: str) -> None:
+    """A site's [trainer] table, parsed as `nebula-fl trainer` parses its flags: a bad one is one line naming it."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            parser().parse_args(["trainer", "--socket", "x", *flags])
+        except SystemExit:
+            lines = [x for x in err.getvalue().splitlines() if x.strip()]
+            said = lines[-1].split("error: ", 1)[-1] if lines else "not accepted"
+            raise NebulaError(f"{where}: [trainer] {said} (its keys are `nebula-fl trainer`'s flags without the "
+                              "leading dashes)") from None
+
+
+def _site(args: argparse.Namespace) -> int:
+    from nebula_fl.deploy.site import describe, log_dir, site_services
+    from nebula_fl.deploy.site_config import SiteConfig
+    from nebula_fl.deploy.supervisor import Supervisor, main_loop
+
+    cfg = SiteConfig.load(Path(args.config))
+    _check_trainer_flags(cfg.trainer_flags, where=str(cfg.path))
+    print(describe(cfg), flush=True)
+    if args.check:
+        return 0
+    return main_loop(Supervisor(site_services(cfg), log_dir=log_dir(cfg)), health=cfg.health)
+
+
+def _server(args: argparse.Namespace) -> int:
+    from nebula_fl.deploy.server import ServerConfig, describe, server_services
+    from nebula_fl.deploy.supervisor import Supervisor, main_loop
+
+    cfg = ServerConfig.load(Path(args.config))
+    print(describe(cfg), flush=True)
+    if args.check:
+        return 0
+    services = server_services(cfg)
+    return main_loop(Supervisor(services, log_dir=cfg.work_dir / "logs"), health=cfg.health)
+
+
 def _add_identity(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "identity",
@@ -430,6 +521,9 @@ def parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_certs(sub)
     _add_identity(sub)
+    _add_submit(sub)
+    _add_site(sub)
+    _add_server(sub)
     return top
 
 
@@ -438,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"run": _run, "trainer": _trainer, "clientapp": _clientapp, "check-access": _check_access,
                 "privacy-report": _privacy_report, "generate": _generate,
-                "certs": _certs, "identity": _identity}[args.command](args)
+                "certs": _certs, "identity": _identity, "submit": _submit, "site": _site,
+                "server": _server}[args.command](args)
     except NebulaError as err:
         print(f"nebula-fl: error: {err}", file=sys.stderr)
         return 2

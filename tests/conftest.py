@@ -66,6 +66,9 @@ def shared_rank_host() -> Path:
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     preexec_fn=preexec_die_with_parent(signal.SIGTERM))
         _RANK_HOST.update(proc=proc, sock=sock, folder=folder)
+        deadline = time.monotonic() + 60
+        while not sock.is_socket() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # it listens once its fork server is on the way
     assert _RANK_HOST["proc"].poll() is None, (_RANK_HOST["folder"] / "host.log").read_text()
     return _RANK_HOST["sock"]
 
@@ -127,12 +130,40 @@ def dp_steps_one_at_a_time(training, params, *, steps: int = 12, seed: int = 0):
     return losses, empty_moves
 
 
+def as_installed(reply):
+    """`reply` (a Message, or None) as nebula-fl's ClientApp sends it: a reply that is not an error names the
+    cluster's install in the ``nebula`` record (the server refuses one without it: nebula_fl/compat.py)."""
+    from flwr.app import ConfigRecord
+
+    from nebula_fl import compat
+
+    if reply is not None and not reply.has_error():
+        reply.content[compat.RECORD] = ConfigRecord(compat.stamp())
+    return reply
+
 def same_start(a: float, b: float) -> bool:
     """Two create-time readings of one process (they may differ by a clock adjustment; see the watchdog)."""
     from nebula_fl.launcher.watchdog import same_process_start
 
     return same_process_start(a, b)
 
+
+def still_running(procs, *, timeout: float) -> list:
+    """Those of `procs` (psutil.Process) still running after up to `timeout` s. A zombie runs nothing: it counts as
+    gone, since only its parent can reap it, and for an orphan that is the machine's init (which in some containers
+    never does)."""
+    import psutil
+
+    def running(p) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in procs if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
 
 # A CLI run whose every descendant is recorded while it lives, to check none outlives it: the benchmarks' own
 # (the fault benchmark kills some), so the suite and the benchmarks stop a federation the same way.
@@ -143,7 +174,12 @@ Tracked = load_script("nebula_benchmarks_harness", REPO / "benchmarks" / "harnes
 def run_cli(tmp_path):
     runs: list[Tracked] = []
 
-    def _run(*args: str, name: str = "cli") -> Tracked:
+    def _run(*args: str, name: str = "cli", own_rank_host: bool = False) -> Tracked:
+        """`nebula-fl ARGS`; a federation (`run`) forks its ranks from this test process's rank host (its imports
+        paid once per test process, not once per launch) unless `own_rank_host`: the launcher starts its own, as
+        by default, and every process of the run is then its descendant."""
+        if args and args[0] == "run" and not own_rank_host:
+            args = (*args, "--rank-host", str(shared_rank_host()))
         tracked = Tracked(list(args), cwd=tmp_path, log=tmp_path / f"{name}-{len(runs)}.log")
         runs.append(tracked)
         return tracked
@@ -218,7 +254,7 @@ def causal_lm_secure_federation(tmp_path_factory):
     dp = 'privacy.mode="client" privacy.noise-multiplier=0.5 privacy.max-grad-norm=0.5 privacy.max-epsilon=100'
     cli = Tracked(["run", "--task", "causal-lm", "--preset", "smoke", "--clusters", "3", "--port", "0", "--out",
                    str(out), "--secure-aggregation", "--codec", "randk:0.25", "--outer-optimizer", "flwr:FedAdam",
-                   "--run-config", dp], cwd=folder, log=folder / "secure.log")
+                   "--run-config", dp, "--rank-host", str(shared_rank_host())], cwd=folder, log=folder / "secure.log")
     try:
         yield Federation(cli=cli, code=cli.wait(480), out=out)
     finally:

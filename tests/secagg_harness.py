@@ -21,6 +21,7 @@ from nebula_fl.secagg.identity import Identity
 from nebula_fl.strategies.compression import CompressionWrapper
 from nebula_fl.strategies.fedavg import AdapterFedAvg
 from nebula_fl.strategies.secure_aggregation import SecAggWrapper
+from tests.conftest import as_installed
 
 
 @dataclass
@@ -140,7 +141,7 @@ class FakeGrid:
             m.metadata.__dict__["_message_id"] = mid
             stamped = make_message(metadata=m.metadata, content=m.content)
             self.sent.append(stamped)
-            reply = self.clusters[m.metadata.dst_node_id].answer(stamped, self.layout)
+            reply = as_installed(self.clusters[m.metadata.dst_node_id].answer(stamped, self.layout))
             if reply is not None:
                 reply.metadata.__dict__["_src_node_id"] = m.metadata.dst_node_id
                 reply.metadata.__dict__["_reply_to_message_id"] = mid

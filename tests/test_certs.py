@@ -159,7 +159,9 @@ def test_the_certs_command_prints_files_and_flower_flags_then_refuses_to_overwri
                  f"--ssl-keyfile {folder}/server.key", "--enable-supernode-auth",
                  f"flwr supernode register {folder}/cluster-1.pub remote", "--auth-supernode-private-key cluster-1",
                  "--root-certificates ca.crt", 'address = "server.example.org:8000"',
-                 f'root-certificates = "{folder}/ca.crt"'):
+                 f'root-certificates = "{folder}/ca.crt"',
+                 # reachable from the clusters' hosts (Flower binds 127.0.0.1 by default), registrations on disk
+                 "--host 0.0.0.0 --port 8000 --database superlink.db"):
         assert text in out, text
     assert len(load_certificates(folder=folder).cluster_keys) == 2
 

@@ -108,6 +108,18 @@ def test_port_already_in_use(tmp_path):
     assert_one_line_error(proc, tmp_path / "run", f"port {port}", "in use")
 
 
+@pytest.mark.parametrize("what", ["missing", "a plain file", "a socket without its key"])
+def test_a_rank_host_that_is_not_there(tmp_path, what):
+    path = tmp_path / "host.sock"
+    if what == "a plain file":
+        path.write_text("")
+    elif what == "a socket without its key":
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(str(path))
+    proc, out = run_cli(tmp_path, "--rank-host", str(path))
+    assert_one_line_error(proc, out, f"--rank-host '{path}'", "no rank host serves there", "nebula_fl.clients.rank_host")
+
+
 def test_malformed_run_config_string(tmp_path):
     proc, out = run_cli(tmp_path, "--run-config", "lr=1e-3 broken=[")
     assert_one_line_error(proc, out, "--run-config")

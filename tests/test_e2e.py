@@ -2,6 +2,7 @@
 and 2 FSDP workers) and flwr run, on a tiny model built here; then the same interrupted and resumed."""
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -53,6 +54,9 @@ def test_two_clusters_two_rounds_with_real_flower(tiny_model, run_cli, tmp_path,
     seen = found(plain, plain_b)
     assert len(seen) > 0.5 * len(plain_b), f"control: only {len(seen)} of {len(plain_b)} windows seen in plaintext"
     assert "SuperNode authentication is disabled" in (out / "logs" / "superlink.log").read_text()
+    # --rank-host (the fixture's): the launcher started no host of its own, and every trainer reached the given one
+    assert not (out / "logs" / "rank-host.log").exists()
+    assert not any("cannot be reached" in (out / "logs" / f"trainer-{i}.log").read_text() for i in (0, 1))
     seen = " ".join(cli.commands)
     for program in ("flower-superlink", "flower-supernode", "nebula_fl trainer", "flwr-serverapp"):
         assert program in seen, program
@@ -60,6 +64,9 @@ def test_two_clusters_two_rounds_with_real_flower(tiny_model, run_cli, tmp_path,
     # pre-exec command line for it, most likely across a clock adjustment; see same_process_start)
     streamed = (out / "logs" / "server.log").read_text()
     assert "flwr run" in seen or ("Successfully started run" in streamed and "[ROUND 2/2]" in streamed)
+    # nebula-fl submit read the run's end: the SuperLink's status and the ServerApp's outcome line
+    assert re.fullmatch(rf"run \d+: completed, 2 round\(s\) aggregated; run folder on the server host: {re.escape(str(out))}",
+                        streamed.strip().splitlines()[-1]), streamed[-2000:]
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 2

@@ -40,7 +40,7 @@ def _latest_round(out) -> int:
 
 def test_a_sigkilled_launcher_leaves_no_process_and_its_run_rewinds_past_damage(tiny_model, run_cli, tmp_path):
     out = tmp_path / "run"
-    cli = run_cli(*smoke_args(tiny_model, out, "--rounds", "4"), name="killed")
+    cli = run_cli(*smoke_args(tiny_model, out, "--rounds", "4"), name="killed", own_rank_host=True)
     assert cli.wait(300, until=lambda: _latest_round(out) >= 2) == -1, cli.output()[-3000:]
     for _ in range(10):  # record every descendant (a ClientApp may be starting right now)
         cli.poll_tree()
@@ -67,14 +67,14 @@ def test_a_sigkilled_launcher_leaves_no_process_and_its_run_rewinds_past_damage(
     adapter = out / "checkpoint" / f"round-{newest:05d}" / "adapter.safetensors"
     adapter.write_bytes(adapter.read_bytes()[:-10])
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    refused = run_cli("run", "--resume", str(out), "--port", "0", name="refused")
+    refused = run_cli("run", "--resume", str(out), "--port", "0", name="refused", own_rank_host=True)
     assert refused.wait(120) == 2, refused.output()[-3000:]
     assert f"round-{newest:05d} is damaged: adapter.safetensors is truncated" in refused.output()
     assert f"the previous checkpoint round-{newest - 1:05d} is intact" in refused.output()
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
     # resumed on other hardware settings (here bf16 autocast): the run's config stays, the trainers change
-    rewound = run_cli("run", "--resume", str(out), "--rewind", "--port", "0", "--precision", "bf16", name="rewind")
+    rewound = run_cli("run", "--resume", str(out), "--rewind", "--port", "0", "--precision", "bf16", name="rewind", own_rank_host=True)
     assert rewound.wait(300) == 0, rewound.output()[-3000:]
     assert rewound.survivors() == []
     assert f"moved the damaged checkpoint aside: checkpoint/damaged-round-{newest:05d}" in rewound.output()
@@ -96,7 +96,7 @@ def test_a_killed_trainer_is_restarted_while_the_other_clusters_go_on(tiny_model
     # overlapped rounds: the killed trainer loses what it trained ahead, and its restart resumes from its snapshot
     # rounds enough for the restarted trainer to come back on a loaded machine (a trainer's start is ~8 s of CPU)
     cli = run_cli("run", "--preset", "smoke", "--clusters", "3", "--rounds", "6", "--port", "0", "--out", str(out),
-                  "--round-overlap", "--run-config", f'model="{tiny_model}" {TINY}', name="restart")
+                  "--round-overlap", "--run-config", f'model="{tiny_model}" {TINY}', name="restart", own_rank_host=True)
     assert cli.wait(400, until=lambda: len(rounds_of(out)) >= 1) == -1, cli.output()[-3000:]
     trainer = _find(cli, "nebula_fl trainer", "--cluster-id 1 ")
     runner_log = out / "logs" / "clientapp-1.log"
@@ -117,6 +117,9 @@ def test_a_killed_trainer_is_restarted_while_the_other_clusters_go_on(tiny_model
 
     output = cli.output()
     assert "cluster 1: trainer exited with status -9; restarted (1 of 3)" in output
+    # by default the launch starts its own rank host, and every trainer (the restarted one too) forks from it
+    assert "rank host: serving" in (out / "logs" / "rank-host.log").read_text()
+    assert not any("cannot be reached" in (out / "logs" / f"trainer-{i}.log").read_text() for i in range(3))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 6
     (restart,) = summary["restarts"]

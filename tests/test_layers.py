@@ -14,7 +14,7 @@ from tests.conftest import REPO
 # Bottom first. A package may import its own modules and any package on a lower line; packages on one line may
 # import each other only where no circle results (the circle check below).
 LAYERS = (
-    ("errors", "lifetime", "plugins", "devices", "storage"),
+    ("errors", "lifetime", "plugins", "devices", "storage", "compat"),
     ("comm", "compression", "secagg", "security", "wan", "data"),
     ("config",),
     ("model",),
@@ -25,6 +25,7 @@ LAYERS = (
     ("server", "generation"),
     ("clients", "training"),
     ("launcher",),
+    ("deploy",),
     ("cli", "__main__"),
 )
 RANK = {package: rank for rank, line in enumerate(LAYERS) for package in line}

@@ -13,6 +13,7 @@ from nebula_fl.errors import NebulaError
 from nebula_fl.strategies import make_strategy
 from nebula_fl.strategies.adapter_strategy import to_numpy
 from nebula_fl.strategies.base import RoundFinishFailed
+from tests.conftest import as_installed
 
 GLOBAL = {"w": np.zeros(3, np.float32)}
 
@@ -37,7 +38,7 @@ class ScriptedGrid:
             m.metadata.__dict__["_message_id"] = mid
             self.sent.append(m)
             ids.append(mid)
-            self.outbox[mid] = self._answer(m, mid)
+            self.outbox[mid] = as_installed(self._answer(m, mid))
         return ids
 
     def _answer(self, message, mid):
@@ -273,3 +274,39 @@ def test_a_slow_record_that_fails_stops_training_within_two_rounds_and_names_its
             evaluate_fn=None, evaluate_initial=False, on_round_end=failing_record, poll_interval=0.01)
     assert grid.trained() == 2  # round 3 waited for round 1's record, and the run ended there
     assert (info.value.round, info.value.step) == (1, "record")
+
+
+class MixedInstalls(ScriptedGrid):
+    """Node 2 runs another nebula-fl: its replies name protocol 2, or (`said=None`) no install at all."""
+
+    def __init__(self, script, *, said):
+        super().__init__(script)
+        self.said = said
+
+    def push_messages(self, messages):
+        ids = super().push_messages(messages)
+        for mid in ids:
+            reply = self.outbox.get(mid)
+            if reply is not None and reply.metadata.src_node_id == 2:
+                if self.said is None:
+                    del reply.content["nebula"]
+                else:
+                    reply.content["nebula"] = ConfigRecord(self.said)
+        return ids
+
+
+@pytest.mark.parametrize("said", [{"version": "9.0.0", "protocol": 2}, None])
+def test_a_cluster_of_another_protocol_is_refused_before_its_reply_is_read(said, caplog):
+    strategy = make_strategy(OuterConfig())
+    strategy.needs_identity = lambda: True  # its identify answer is refused too: node 2 is never matched
+    grid = MixedInstalls({1: "0", 2: "1"}, said=said)
+    result, outcomes = run(strategy, grid, rounds=2)
+    theirs = "nebula-fl 9.0.0 (protocol 2)" if said else "names no protocol version"
+    for outcome in outcomes:
+        why = outcome.nodes[2].error
+        assert why.startswith("node 2 runs ") and theirs in why and "this server runs nebula-fl 0.1.0 (protocol 1)" in why
+        assert outcome.skipped is None and outcome.nodes[1].error is None
+    # only node 1's update moved the adapter: ScriptedGrid's update is all ones, the mean of one, in each round
+    np.testing.assert_array_equal(to_numpy(result.arrays)["w"], GLOBAL["w"] + 2)
+    assert strategy.directory.clusters == {1: "0"}
+    assert sum("node 2 runs" in r.getMessage() for r in caplog.records) <= 1  # said once, not every round

@@ -17,7 +17,7 @@ from nebula_fl.config import RunConfig
 from nebula_fl.errors import NebulaError
 from nebula_fl.model.adapter import adapter_arrays
 from nebula_fl.model.loading import build_model
-from tests.conftest import launch_trainer, nebula_cmd, stop_trainer
+from tests.conftest import launch_trainer, nebula_cmd, still_running, stop_trainer
 
 LABELS = ["business", "entertainment", "politics", "sports", "tech"]
 
@@ -144,8 +144,8 @@ def test_a_stalled_client_holds_nothing_and_a_live_trainer_is_never_taken_over(t
         stalled.close()
     os.kill(proc.pid, signal.SIGKILL)  # the supervisor dies without cleaning up: its ranks go with it
     proc.wait()
-    _, alive = psutil.wait_procs(ranks, timeout=10)
-    assert not alive, [p.cmdline() for p in alive]
+    alive = still_running(ranks, timeout=10)
+    assert not alive, [(p.pid, p.name()) for p in alive]
 
 
 @pytest.mark.parametrize("flags, fragment", [

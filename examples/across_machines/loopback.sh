@@ -69,7 +69,7 @@ done
 
 if [ "${INSECURE:-0}" = 1 ]; then
   cd "$ROOT"
-  flwr run . local --stream --run-config "$RUN_CONFIG"
+  nebula-fl submit . local --run-config "$RUN_CONFIG"
 else
   (cd "$ROOT" && SUPERLINK="127.0.0.1:$PORT" CA="$WORK/certs/ca.crt" FLWR_HOME="$WORK/flwr-submit" CLUSTERS=2 \
     RUN_CONFIG="$RUN_CONFIG" "$HERE/submit.sh")

@@ -19,6 +19,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from nebula_fl import compat
 from nebula_fl.clients.protocol import request
 from nebula_fl.errors import NebulaError
 
@@ -43,10 +44,11 @@ def _socket(context: Context) -> str:
 
 
 def _records(metrics: dict) -> dict:
-    """Numbers as a MetricRecord, strings (e.g. why a round was refused) as a ConfigRecord of notes."""
+    """Numbers as a MetricRecord, strings (e.g. why a round was refused) as a ConfigRecord of notes; and which
+    nebula-fl answers (the server refuses another protocol: nebula_fl/compat.py)."""
     numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
     notes = {k: v for k, v in metrics.items() if isinstance(v, str)}
-    records: dict = {"metrics": MetricRecord(numbers)}
+    records: dict = {"metrics": MetricRecord(numbers), compat.RECORD: ConfigRecord(compat.stamp())}
     if notes:
         records["notes"] = ConfigRecord(notes)
     return records
@@ -98,4 +100,5 @@ def secure_aggregation(msg: Message, context: Context) -> Message:
     """One secure-aggregation stage: the request and the trainer's answer are small config records."""
     asked = dict(msg.content.config_records["secagg"])
     reply, _ = request(_socket(context), {"op": "secagg", "request": asked}, wait_s=TRAINER_WAIT_S)
-    return Message(RecordDict({"secagg": ConfigRecord(reply["reply"])}), reply_to=msg)
+    return Message(RecordDict({"secagg": ConfigRecord(reply["reply"]), compat.RECORD: ConfigRecord(compat.stamp())}),
+                   reply_to=msg)

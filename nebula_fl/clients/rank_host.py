@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 
 from nebula_fl.clients.protocol import TrainerListener, key_path
+from nebula_fl.lifetime import reap_multiprocessing_helpers
 
 # What every rank imports (about 9 s of CPU): a fork server imports it once for all the ranks it forks. Opacus
 # (1.2 s more) is not among them: only a round under sample-level DP needs it, and then each rank imports it once.
@@ -46,14 +47,26 @@ class _Fd:
         return _detach, (reduction.DupFd(self.fd),)
 
 
+def _import_path(pythonpath: str) -> None:
+    """The trainer's PYTHONPATH before the host's own path, as a process started with it has: a plug-in (a task,
+    a strategy) installed there after the host started is found, its entry points included (read from sys.path)."""
+    import importlib
+
+    entries = [p for p in pythonpath.split(os.pathsep) if p]
+    sys.path[:0] = [p for p in entries if p not in sys.path]
+    importlib.invalidate_caches()
+
+
 def _detach(dup) -> int:
     return dup.detach()
 
 
 def hosted_rank(env: dict[str, str], cwd: str, umask: int, stdout: int, stderr: int, *rank_args: Any) -> None:
-    """A rank forked by the host, made the trainer's: its environment, folder, umask and log, then `rank_main`."""
+    """A rank forked by the host, made the trainer's: its environment, import path, folder, umask and log, then
+    `rank_main`."""
     os.environ.clear()
     os.environ.update(env)
+    _import_path(env.get("PYTHONPATH", ""))
     os.chdir(cwd)
     os.umask(umask)
     sys.stdout.flush()
@@ -105,6 +118,7 @@ def serve(socket_path: Path, *, preload: list[str]) -> int:
         listener.close()
         Path(socket_path).unlink(missing_ok=True)
         key_path(socket_path).unlink(missing_ok=True)
+        reap_multiprocessing_helpers()
     return 0
 
 

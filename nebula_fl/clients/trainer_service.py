@@ -29,6 +29,7 @@ from nebula_fl.clients.secagg_stage import SecAggStage
 from nebula_fl.clients.trainer_options import LOCK_WAIT_S, TrainerOptions, log
 from nebula_fl.devices import check_visible, resolve_precision, visible_gpus, worker_devices
 from nebula_fl.errors import NebulaError
+from nebula_fl.lifetime import reap_multiprocessing_helpers
 from nebula_fl.privacy.cluster_ledger import LEDGER_FILE, ClusterLedger
 from nebula_fl.privacy.policy import POLICY_FILE, PrivacyPolicy
 
@@ -207,6 +208,7 @@ def run_trainer(opts: TrainerOptions) -> int:
         status = _supervise(procs, stopping, cluster_id=opts.cluster_id)
     finally:
         _stop_ranks(procs)
+        reap_multiprocessing_helpers()
         for path in (opts.socket_path, Path(f"{opts.socket_path}.key"), init_file):
             Path(path).unlink(missing_ok=True)
         os.close(lock)

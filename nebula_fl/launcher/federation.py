@@ -233,10 +233,12 @@ class Federation:
             log_path=self.logs / "superlink.log", env=env, cwd=self.folder.path,
         )
         # Trainers load torch and the model while the SuperLink and then the ServerApp start up; their ranks fork
-        # from one rank host, which imports torch, transformers and peft once for every cluster.
-        rank_host = socket_dir / "rank-host.sock"
-        self.procs.start("rank-host", [sys.executable, "-m", "nebula_fl.clients.rank_host", "--socket", str(rank_host)],
-                         log_path=self.logs / "rank-host.log", env=env)
+        # from one rank host, which imports torch, transformers and peft once for every cluster (--rank-host: one
+        # the user keeps running across launches).
+        rank_host = plan.rank_host or socket_dir / "rank-host.sock"
+        if plan.rank_host is None:
+            self.procs.start("rank-host", [sys.executable, "-m", "nebula_fl.clients.rank_host", "--socket",
+                                           str(rank_host)], log_path=self.logs / "rank-host.log", env=env)
         trainers = []
         roster = self._write_roster()
         for i in range(plan.clusters):
@@ -266,7 +268,7 @@ class Federation:
             flat["comm.wan-control"] = ",".join(str(socket_dir / f"wan-{i}.sock") for i in range(plan.clusters))
         app = write_app(self.folder.path, flat)
         self.procs.start(
-            "flwr-run", [_bin("flwr"), "run", str(app), "local", "--stream"],
+            "flwr-run", [sys.executable, "-m", "nebula_fl", "submit", str(app), "local"],  # flwr run --stream
             log_path=self.logs / "server.log", env=env, cwd=self.folder.path, expect_exit=True,
         )
         for i, sock, proc in trainers:
@@ -401,8 +403,8 @@ class Federation:
                         self._restart(dead, progress.console)
                 time.sleep(0.5)
         status = self.folder.read_summary().get("status")
-        if status != "completed" and flwr_run.popen.returncode not in (0, None):
-            raise _fail(f"flwr run exited with status {flwr_run.popen.returncode}", flwr_run)
+        if status in (None, "running") and flwr_run.popen.returncode not in (0, None):  # the ServerApp said nothing
+            raise _fail(f"nebula-fl submit exited with status {flwr_run.popen.returncode}", flwr_run)
         return status or "failed"
 
     def _restart(self, dead: Managed, console: Console) -> None:

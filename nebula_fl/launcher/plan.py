@@ -15,6 +15,7 @@ from typing import Any
 
 from flwr.common.config import parse_config_args
 
+from nebula_fl.clients.protocol import key_path
 from nebula_fl.components import resolve
 from nebula_fl.config import PRESETS, RunConfig, check_known_keys
 from nebula_fl.data.datasets import plan_partition, resolve_dataset_path
@@ -55,6 +56,7 @@ class LaunchPlan:
     slowdown_per_cluster: list[float] | None = None  # --slowdown-per-cluster: emulated slower sites on one box
     precisions: list[str] | None = None  # --precision: auto, fp32 or bf16 per cluster (None: every cluster's auto)
     parallel: list[str] | None = None  # --parallel: "ddp" or "fsdp" per cluster (None: ddp everywhere)
+    rank_host: Path | None = None  # --rank-host: a running rank host's socket (None: this launch starts its own)
 
     @property
     def threads(self) -> list[int]:
@@ -215,7 +217,8 @@ def make_plan(args: Any) -> LaunchPlan:
                       if slowdown else None,
                       cluster_policies=_cluster_policies(getattr(args, "cluster_policy", None), clusters),
                       precisions=_per_cluster(precision, clusters, "--precision", _precision) if precision else None,
-                      parallel=_per_cluster(getattr(args, "parallel", None) or "ddp", clusters, "--parallel", _parallel))
+                      parallel=_per_cluster(getattr(args, "parallel", None) or "ddp", clusters, "--parallel", _parallel),
+                      rank_host=_rank_host(getattr(args, "rank_host", None)))
     _check(plan)
     return plan
 
@@ -265,9 +268,22 @@ def _resume_plan(args: Any) -> LaunchPlan:
                       rewind=rewind, threads_per_cluster=launcher.get("threads_per_cluster"),
                       slowdown_per_cluster=launcher.get("slowdown_per_cluster"), precisions=precisions,
                       parallel=launcher.get("parallel"),
-                      cluster_policies={int(k): v for k, v in (launcher.get("cluster_policies") or {}).items()})
+                      cluster_policies={int(k): v for k, v in (launcher.get("cluster_policies") or {}).items()},
+                      rank_host=_rank_host(getattr(args, "rank_host", None)))
     _check(plan)
     return plan
+
+
+def _rank_host(given: str | None) -> Path | None:
+    """--rank-host SOCKET: a rank host this user started (`python -m nebula_fl.clients.rank_host --socket SOCKET`)
+    that every cluster of this launch forks its ranks from, so that runs in a row pay torch's imports once."""
+    if given is None:
+        return None
+    path = Path(given).expanduser().resolve()
+    if not path.is_socket() or not key_path(path).is_file():
+        raise NebulaError(f"--rank-host '{given}': no rank host serves there; start one with `python -m "
+                          f"nebula_fl.clients.rank_host --socket {path}`, or drop --rank-host to start one per launch")
+    return path
 
 
 def _cluster_policies(given: list[str] | None, clusters: int) -> dict[int, dict[str, Any]]:

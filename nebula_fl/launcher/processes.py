@@ -138,6 +138,11 @@ class ProcessSet:
         for item in self.items:
             item.popen.poll()
 
+    def stop_in_reverse(self, *, grace: float = 10.0) -> None:
+        """Every tree, one after the other, the last started first (a site's SuperNode before its trainer)."""
+        for item in reversed(self.items):
+            self._stop(item, grace=grace)
+
     def _stop(self, item: Managed, *, grace: float) -> None:
         members = {p.pid: p for p in _tree(item.popen.pid)}
         for pid, created in item.known.items():

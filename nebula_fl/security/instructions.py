@@ -32,7 +32,9 @@ def instructions(certs: CertificateSet, *, port: int = FLOWER_PORT) -> str:
                      f"to cluster {i} only; register the .pub")
     lines += ["", "SuperLink host:",
               f"  flower-superlink --ssl-ca-certfile {q(certs.ca_cert)} --ssl-certfile {q(certs.server_cert)} \\",
-              f"      --ssl-keyfile {q(certs.server_key)} --enable-supernode-auth --disable-runtime-dependency-installation",
+              f"      --ssl-keyfile {q(certs.server_key)} --enable-supernode-auth --disable-runtime-dependency-installation \\",
+              f"      --host 0.0.0.0 --port {port} --database superlink.db --log-file superlink.log"
+              "   # every interface; registrations kept across restarts",
               "", "$FLWR_HOME/config.toml (~/.flwr by default) wherever flwr runs, with the path of ca.crt there:",
               '  [superlink]', '  default = "remote"', '  [superlink.remote]', f'  address = "{address}"',
               f'  root-certificates = "{certs.ca_cert}"']

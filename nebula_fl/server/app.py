@@ -25,6 +25,7 @@ from nebula_fl.errors import NebulaError
 from nebula_fl.reports.metric_plot import plot_metric_vs_bytes
 from nebula_fl.server.evaluation import ServerEvaluator
 from nebula_fl.server.log_routing import route_python_logging
+from nebula_fl.server.outcome import outcome_line
 from nebula_fl.server.tensorboard import TensorBoardLog
 from nebula_fl.server.timeline import cluster_phases, round_timeline, utilisation_note
 from nebula_fl.server.wan_counters import WanCounters
@@ -85,8 +86,15 @@ class Interrupted(BaseException):
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     route_python_logging()  # a plug-in's logging lines reach the server log (logs/server.log)
-    cfg = RunConfig.from_flat(dict(context.run_config))
-    ServerRun(cfg).run(grid)
+    run = None
+    try:
+        run = ServerRun(RunConfig.from_flat(dict(context.run_config)))
+        run.run(grid)
+    except Exception as err:  # _finish said how a started run ended; a run that never started says it here
+        if not getattr(run, "outcome_logged", False):
+            log(INFO, "%s", outcome_line(status="failed", rounds_completed=0, rounds_aggregated=0,
+                                         error=f"{type(err).__name__}: {err}", run_folder=None))
+        raise
 
 
 def wait_for_clusters(grid: Grid, *, minimum: int, wanted: int, timeout: float) -> list[int]:
@@ -428,6 +436,10 @@ class ServerRun:
         if isinstance(strategy, PrivacyWrapper) and (self.cfg.privacy.mode != "off" or strategy.exhausted):
             summary = self.folder.update_summary(privacy=strategy.report())
         log(INFO, "run %s: %s after %d round(s)", self.folder.path, summary["status"], done)
+        log(INFO, "%s", outcome_line(status=summary["status"], rounds_completed=done,
+                                     rounds_aggregated=sum(1 for line in rounds if _aggregated(line)),
+                                     error=summary.get("error"), run_folder=str(self.folder.path)))
+        self.outcome_logged = True
 
 
 def _aggregated(line: dict[str, Any]) -> bool:

@@ -37,6 +37,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
+from nebula_fl import compat
 from nebula_fl.comm.accounting import payload_bytes
 from nebula_fl.errors import NebulaError
 
@@ -144,6 +145,7 @@ class NebulaStrategy(Strategy):
         self.min_updates = 1  # usable updates a round needs, else it is skipped
         self.message_ttl: float | None = None  # seconds a message may wait for its SuperNode (the round timeout)
         self.last_push_s = 0.0  # how long the last push_messages call took
+        self.refused_installs: set[int] = set()  # nodes whose nebula-fl was refused (said once each)
 
     def set_min_updates(self, count: int) -> None:
         """The usable updates the next aggregation needs; wrappers pass it to the strategy they hold."""
@@ -274,6 +276,11 @@ class NebulaStrategy(Strategy):
                 node = probes.pop(mid) if mid in probes else self.destinations.get(mid)
                 if node is None:
                     continue
+                if (why := self._refused_install(node, reply)) is not None:  # never parsed, never aggregated
+                    if mid in pending:
+                        traffic[node].error = why
+                        stop_waiting(node)
+                    continue
                 for old in self._identified(node, reply):
                     if any(self.destinations[m] == old for m in pending):
                         stop_waiting(old)
@@ -327,6 +334,18 @@ class NebulaStrategy(Strategy):
                             ttl=IDENTIFY_TIMEOUT_S) for n in nodes]
         return {mid: m.metadata.dst_node_id for mid, m in zip(grid.push_messages(messages), messages) if mid}
 
+    def _refused_install(self, node: int, reply: Message) -> str | None:
+        """Why a reply from another nebula-fl protocol (or none named) is refused, said once per node; None to take
+        it. An error reply names no install: it is handled as the error it is."""
+        if reply.has_error():
+            return None
+        said = reply.content.config_records.get(compat.RECORD)
+        why = compat.refusal(dict(said) if said is not None else None, who=f"node {node}")
+        if why is not None and node not in self.refused_installs:
+            self.refused_installs.add(node)
+            log(ERROR, "%s", why)
+        return why
+
     def _identified(self, node: int, reply: Message) -> list[int]:
         """Learn from a reply (an identify answer or a round's): returns the nodes it replaces."""
         if reply.has_error() or "metrics" not in reply.content.metric_records:
@@ -342,7 +361,9 @@ class NebulaStrategy(Strategy):
         deadline = time.monotonic() + timeout
         while probes and time.monotonic() < deadline:
             for reply in grid.pull_messages(set(probes)):
-                self._identified(probes.pop(reply.metadata.reply_to_message_id), reply)
+                node = probes.pop(reply.metadata.reply_to_message_id)
+                if self._refused_install(node, reply) is None:
+                    self._identified(node, reply)
             if probes:
                 time.sleep(poll_interval)
         if probes:

@@ -1,0 +1,169 @@
+"""A federation across separate hosts, run as real sites run it.
+
+Five network namespaces on one bridge (tests/netns.py), each link capped at 20 Mbit/s by tc's token bucket and
+delayed 100 ms round trip by the project's WAN proxy inside each site: the server host runs `nebula-fl server
+--config` (TLS, SuperNode authentication with the clusters' keys registered, a persistent database), three sites
+run `nebula-fl site --config` each (trainer, SuperNode, ClientApp runner; a roster of the clusters' identity keys;
+a policy that trains only securely aggregated rounds), and a fifth host submits with `nebula-fl submit`. Mid-run
+one site's SuperNode is SIGKILLed: its supervisor restarts it, waits out Flower's "still online" refusal, and the
+cluster trains again. The run completes and submit exits 0; a second run without secure aggregation, which every
+cluster's policy refuses, makes submit exit 1. The figures (wall time, rounds, bytes per round, kill-to-rejoin
+seconds) go to the test's output and `multihost-figures.json` in its folder.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from nebula_fl.config import PRESETS, RunConfig
+from nebula_fl.launcher.federation import child_env, write_app
+from nebula_fl.security import make_certificates
+from tests.conftest import nebula_cmd, shared_rank_host, still_running
+from tests.netns import Hosts
+
+ROUNDS = 6  # a SIGKILLed SuperNode is refused for ~60 s (Flower's heartbeat patience): the run outlasts that
+PORT = 8000  # each host has its own ports
+RATE, PROFILE = "20mbit", "20mbit:100ms"
+
+
+def wait_for(what: str, check, timeout: float, *procs: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        for proc in procs:
+            assert proc.poll() is None, f"{' '.join(map(str, proc.args[-3:]))} exited {proc.returncode} waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
+
+
+def metrics(runs: Path) -> list[dict]:
+    found = sorted(runs.glob("*/metrics.jsonl"))
+    return [json.loads(x) for x in found[-1].read_text().splitlines()] if found else []
+
+
+@pytest.mark.e2e
+def test_three_sites_on_their_own_hosts_under_tls_auth_and_secure_aggregation_survive_a_killed_supernode(
+        tiny_model, tmp_path):
+    hosts = Hosts(["server", "site0", "site1", "site2", "submitter"], rate=RATE)
+    server = hosts["server"]
+    procs: list[subprocess.Popen] = []
+    seen: list[psutil.Process] = []
+
+    def start(host, args, name, **kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen(host.argv(*nebula_cmd(*args)), stdout=(tmp_path / f"{name}.out").open("w"),
+                                stderr=subprocess.STDOUT, cwd=tmp_path, **kwargs)
+        procs.append(proc)
+        return proc
+
+    started = time.monotonic()
+    try:
+        certs = make_certificates(folder=tmp_path / "certs", hosts=["127.0.0.1", server.address], clusters=3)
+        (tmp_path / "server.toml").write_text(
+            f'work-dir = "server"\nhost = "0.0.0.0"\nport = {PORT}\ncerts = "certs"\ndatabase = "superlink.db"\n'
+            f'register = [{", ".join(json.dumps(str(p)) for p in certs.cluster_public_keys)}]\n')
+        link = start(server, ["server", "--config", str(tmp_path / "server.toml")], "server")
+        roster = []
+        for i in range(3):
+            state = tmp_path / f"site-{i}"
+            line = subprocess.run(nebula_cmd("identity", "--state-dir", str(state / "trainer"), "--cluster-id",
+                                             str(i)), capture_output=True, text=True, check=True, timeout=60)
+            roster.append(line.stdout.strip())
+        (tmp_path / "roster.txt").write_text("\n".join(roster) + "\n")
+        wait_for("the server's registrations", lambda: "3 SuperNode key(s) registered" in
+                 (tmp_path / "server.out").read_text(), 90, link)
+        sites = []
+        for i in range(3):
+            host = hosts[f"site{i}"]
+            # the site's WAN: 100 ms round trip to the SuperLink, inside its host (the tbf caps the rate)
+            procs.append(subprocess.Popen(host.argv(sys.executable, "-m", "nebula_fl.wan", "--listen-port", "18000",
+                                                    "--target", f"{server.address}:{PORT}", "--profile", PROFILE,
+                                                    "--control", str(tmp_path / f"wan-{i}.sock")),
+                                          stdout=(tmp_path / f"wan-{i}.out").open("w"), stderr=subprocess.STDOUT))
+            (tmp_path / f"site-{i}.toml").write_text(
+                f'cluster-id = {i}\nsuperlink = "127.0.0.1:18000"\nstate-dir = "site-{i}"\nca = "certs/ca.crt"\n'
+                f'node-key = "certs/cluster-{i}"\n'
+                f'[trainer]\ndataset = "bbcnews"\nnum-clusters = 3\nmax-examples = 300\nmodel = "{tiny_model}"\n'
+                f'rank-host = "{shared_rank_host()}"\nsecagg-peers = "{tmp_path / "roster.txt"}"\n'
+                f'require-secure-aggregation = true\n')
+            sites.append(start(host, ["site", "--config", str(tmp_path / f"site-{i}.toml")], f"site-{i}"))
+        for i in range(3):
+            wait_for(f"site {i}'s three services", lambda i=i: (tmp_path / f"site-{i}.out").read_text().count(
+                "started (pid") >= 3, 120, sites[i])
+
+        # the submitter: its own host, its own connection (TLS with the federation's CA)
+        home = tmp_path / "submitter"
+        home.mkdir()
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "fed"\n[superlink.fed]\naddress = "{server.address}:{PORT}"\n'
+            f'root-certificates = "{certs.ca_cert}"\n')
+        flat = RunConfig().replace({**PRESETS["smoke"], "model": str(tiny_model), "num-server-rounds": ROUNDS,
+                                    "min-clusters": 2, "wait-for-clusters": 3, "lr": 0.1, "secagg.enabled": True,
+                                    "secagg.threshold": 2}).to_flat()
+        app = write_app(tmp_path / "submit", flat)
+        submit = start(hosts["submitter"], ["submit", str(app), "fed"], "submit", env=child_env(home))
+        runs = tmp_path / "server" / "runs"
+        wait_for("round 1", lambda: len(metrics(runs)) >= 1, 400, submit, link, *sites)
+        node = next(p for p in psutil.Process(sites[1].pid).children(recursive=True)
+                    if "flower-supernode" in " ".join(p.cmdline()))
+        node.kill()
+        killed, after = time.monotonic(), len(metrics(runs))
+        back = None
+        while submit.poll() is None:
+            lines = metrics(runs)
+            if back is None and any("1" in x["clusters"] and not (x.get("rejected") or {}).get("1")
+                                    for x in lines[after + 1:]):
+                back = time.monotonic() - killed
+            time.sleep(0.5)
+        out = (tmp_path / "submit.out").read_text()
+        assert submit.returncode == 0, out[-4000:]
+        wall = time.monotonic() - started
+        (folder,) = runs.iterdir()
+        assert re.fullmatch(rf"run \d+: completed, \d+ round\(s\) aggregated; run folder on the server host: "
+                            rf"{re.escape(str(folder))}", out.strip().splitlines()[-1])
+        lines = metrics(runs)
+        assert [x["round"] for x in lines] == list(range(1, ROUNDS + 1))
+        site_log = (tmp_path / "site-1.out").read_text()
+        assert "supernode: exited -9" in site_log
+        assert "the SuperLink refused this SuperNode" in site_log  # Flower's "still online" window, waited out
+        if back is None:  # it rejoined in the round that was running when the run's last line was written
+            back = time.monotonic() - killed
+        assert any("1" in x["clusters"] for x in lines[after + 1:]), "cluster 1 never trained again"
+        secured = [x for x in lines if x.get("secagg")]
+        assert secured and all(not x.get("skipped") for x in lines[-3:])
+        figures = {"wall_s": round(wall, 1), "rounds": len(lines),
+                   "bytes_per_round": round(sum(x["bytes_up"] + x["bytes_down"] for x in lines) / len(lines)),
+                   "kill_to_rejoin_s": round(back, 1), "link": f"{RATE} tbf, {PROFILE} proxy"}
+
+        # a run without secure aggregation: every cluster's policy refuses it, and submit says so with exit 1
+        flat["secagg.enabled"] = False
+        flat["num-server-rounds"] = 1
+        refused = subprocess.run(hosts["submitter"].argv(*nebula_cmd("submit", str(write_app(tmp_path / "plain", flat)),
+                                                                     "fed")),
+                                 env=child_env(home), capture_output=True, text=True, timeout=400, cwd=tmp_path)
+        last = refused.stdout.strip().splitlines()[-1]
+        assert refused.returncode == 1 and ": failed: " in last and "requires secure aggregation" in last, last
+        (tmp_path / "multihost-figures.json").write_text(json.dumps(figures))
+        print("multihost figures:", figures)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    seen.extend(psutil.Process(proc.pid).children(recursive=True))
+                except psutil.NoSuchProcess:
+                    pass
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        codes = {" ".join(map(str, p.args[-3:])): p.wait(60) for p in procs}
+        hosts.close()
+    assert not still_running(seen, timeout=10)
+    assert not hosts.left()
+    assert all(code == 0 for args, code in codes.items() if "site" in args or "server" in args), codes
