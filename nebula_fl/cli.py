@@ -83,7 +83,7 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
         "rank 0 serves SOCKET for the SuperNode's ClientApp (--node-config 'trainer=\"SOCKET\"').",
         allow_abbrev=False,  # a flag is spelt out (a site file's [trainer] keys are these flags, checked exactly)
     )
-    p.add_argument("--socket", required=True, help="Unix socket path the ClientApp connects to")
+    p.add_argument("--socket", help="Unix socket path the ClientApp connects to (node 0 of a cluster only)")
     p.add_argument("--socket-group", metavar="GROUP",
                    help="a group (name or id) whose members may connect to the socket: the SuperNode's user, when the "
                    "trainer runs as its own user (README: Deploying a cluster); default: this user only")
@@ -110,6 +110,13 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
                    "default 30")
     p.add_argument("--state-dir", default="nebula-trainer-state",
                    help="the cluster's own folder: its privacy ledger (for life), round snapshots, reply cache")
+    nodes = p.add_argument_group("a cluster across machines: one trainer per machine, meeting at node 0")
+    nodes.add_argument("--nnodes", type=int, default=1, help="machines in this cluster (default 1)")
+    nodes.add_argument("--node-rank", type=int, default=0,
+                       help="this machine's place, 0 to nnodes-1; node 0 serves the SuperNode's socket")
+    nodes.add_argument("--rendezvous", metavar="HOST:PORT",
+                       help="node 0's address and a free port there, the same on every node: torch.distributed's "
+                       "c10d TCP store; each node's data must be the same (--data or --dataset)")
     p.add_argument("--rank-host", metavar="SOCKET",
                    help="fork the ranks from this rank host, which `nebula-fl run` starts for the clusters it runs on "
                    "one machine (their torch, transformers and peft imported once for all); the host must be this "
@@ -474,6 +481,12 @@ def _trainer(args: argparse.Namespace) -> int:
 
     if (args.data is None) == (args.dataset is None):
         raise NebulaError("the trainer needs exactly one of --data (this cluster's own) or --dataset (a shared one)")
+    if args.socket is None and args.node_rank == 0:
+        raise NebulaError("the trainer needs --socket (the path its SuperNode's ClientApp connects to); only a node "
+                          "other than 0 of a cluster across machines (--node-rank N) serves none")
+    state_dir = Path(args.state_dir).expanduser().resolve()
+    socket_path = (Path(args.socket).expanduser().resolve() if args.socket is not None
+                   else state_dir / f"node-{args.node_rank}.sock")  # never listened on: node 0 serves the cluster
     if args.data is not None:
         shard = load_dataset(args.data, targets=args.targets)
     else:
@@ -484,12 +497,13 @@ def _trainer(args: argparse.Namespace) -> int:
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.workers))
     policy = _privacy_policy(args)
     opts = TrainerOptions(
-        cluster_id=args.cluster_id, socket_path=Path(args.socket).expanduser().resolve(),
-        state_dir=Path(args.state_dir).expanduser().resolve(), model_path=resolve_model_path(args.model),
+        cluster_id=args.cluster_id, socket_path=socket_path, state_dir=state_dir,
+        model_path=resolve_model_path(args.model),
         shard=shard, workers=args.workers, device=args.device, precision=args.precision, threads=threads, policy=policy,
         slowdown=args.slowdown, lock_wait_s=args.lock_wait, parallel=args.parallel,
         socket_group=_group_id(args.socket_group),
         rank_host=None if args.rank_host is None else Path(args.rank_host).expanduser().resolve(),
+        nnodes=args.nnodes, node_rank=args.node_rank, rendezvous=args.rendezvous,
     )
     return run_trainer(opts)
 

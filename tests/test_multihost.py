@@ -27,7 +27,7 @@ import pytest
 from nebula_fl.config import PRESETS, RunConfig
 from nebula_fl.launcher.federation import child_env, write_app
 from nebula_fl.security import make_certificates
-from tests.conftest import nebula_cmd, shared_rank_host, still_running
+from tests.conftest import nebula_cmd, still_running
 from tests.netns import Hosts
 
 ROUNDS = 6  # a SIGKILLed SuperNode is refused for ~60 s (Flower's heartbeat patience): the run outlasts that
@@ -52,7 +52,7 @@ def metrics(runs: Path) -> list[dict]:
 @pytest.mark.e2e
 def test_three_sites_on_their_own_hosts_under_tls_auth_and_secure_aggregation_survive_a_killed_supernode(
         tiny_model, tmp_path):
-    hosts = Hosts(["server", "site0", "site1", "site2", "submitter"], rate=RATE)
+    hosts = Hosts(["server", "site0", "site0b", "site1", "site2", "submitter"], rate=RATE)
     server = hosts["server"]
     procs: list[subprocess.Popen] = []
     seen: list[psutil.Process] = []
@@ -87,16 +87,20 @@ def test_three_sites_on_their_own_hosts_under_tls_auth_and_secure_aggregation_su
                                                     "--target", f"{server.address}:{PORT}", "--profile", PROFILE,
                                                     "--control", str(tmp_path / f"wan-{i}.sock")),
                                           stdout=(tmp_path / f"wan-{i}.out").open("w"), stderr=subprocess.STDOUT))
+            trainer = (f'[trainer]\ndataset = "bbcnews"\nnum-clusters = 3\nmax-examples = 300\nmodel = "{tiny_model}"\n'
+                       f'secagg-peers = "{tmp_path / "roster.txt"}"\nrequire-secure-aggregation = true\n')
+            nodes = f'nnodes = 2\nrendezvous = "{host.address}:29500"\n'  # cluster 0 spans two machines
             (tmp_path / f"site-{i}.toml").write_text(
                 f'cluster-id = {i}\nsuperlink = "127.0.0.1:18000"\nstate-dir = "site-{i}"\nca = "certs/ca.crt"\n'
-                f'node-key = "certs/cluster-{i}"\n'
-                f'[trainer]\ndataset = "bbcnews"\nnum-clusters = 3\nmax-examples = 300\nmodel = "{tiny_model}"\n'
-                f'rank-host = "{shared_rank_host()}"\nsecagg-peers = "{tmp_path / "roster.txt"}"\n'
-                f'require-secure-aggregation = true\n')
+                f'node-key = "certs/cluster-{i}"\n' + trainer + (nodes + "node-rank = 0\n" if i == 0 else ""))
             sites.append(start(host, ["site", "--config", str(tmp_path / f"site-{i}.toml")], f"site-{i}"))
-        for i in range(3):
-            wait_for(f"site {i}'s three services", lambda i=i: (tmp_path / f"site-{i}.out").read_text().count(
-                "started (pid") >= 3, 120, sites[i])
+            if i == 0:  # its second machine: the trainer only, its ranks joining node 0's at the rendezvous
+                (tmp_path / "site-0b.toml").write_text('cluster-id = 0\nstate-dir = "site-0b"\n' + trainer + nodes
+                                                       + "node-rank = 1\n")
+                sites.append(start(hosts["site0b"], ["site", "--config", str(tmp_path / "site-0b.toml")], "site-0b"))
+        for name, count in (("0", 3), ("0b", 1), ("1", 3), ("2", 3)):
+            wait_for(f"site {name}'s services", lambda name=name, count=count: (tmp_path / f"site-{name}.out")
+                     .read_text().count("started (pid") >= count, 120, *sites)
 
         # the submitter: its own host, its own connection (TLS with the federation's CA)
         home = tmp_path / "submitter"
@@ -111,7 +115,7 @@ def test_three_sites_on_their_own_hosts_under_tls_auth_and_secure_aggregation_su
         submit = start(hosts["submitter"], ["submit", str(app), "fed"], "submit", env=child_env(home))
         runs = tmp_path / "server" / "runs"
         wait_for("round 1", lambda: len(metrics(runs)) >= 1, 400, submit, link, *sites)
-        node = next(p for p in psutil.Process(sites[1].pid).children(recursive=True)
+        node = next(p for p in psutil.Process(sites[2].pid).children(recursive=True)
                     if "flower-supernode" in " ".join(p.cmdline()))
         node.kill()
         killed, after = time.monotonic(), len(metrics(runs))
@@ -138,7 +142,11 @@ def test_three_sites_on_their_own_hosts_under_tls_auth_and_secure_aggregation_su
         assert any("1" in x["clusters"] for x in lines[after + 1:]), "cluster 1 never trained again"
         secured = [x for x in lines if x.get("secagg")]
         assert secured and all(not x.get("skipped") for x in lines[-3:])
+        assert "node 0 of 2" in (tmp_path / "site-0" / "logs" / "trainer.log").read_text()
+        assert "node 1 of 2" in (tmp_path / "site-0b" / "logs" / "trainer.log").read_text()
         figures = {"wall_s": round(wall, 1), "rounds": len(lines),
+                   "round_train_s": {name: _median_round_s(tmp_path / name / "logs" / "trainer.log")
+                                     for name in ("site-0", "site-1", "site-2")},
                    "bytes_per_round": round(sum(x["bytes_up"] + x["bytes_down"] for x in lines) / len(lines)),
                    "kill_to_rejoin_s": round(back, 1), "link": f"{RATE} tbf, {PROFILE} proxy"}
 
@@ -167,3 +175,10 @@ def test_three_sites_on_their_own_hosts_under_tls_auth_and_secure_aggregation_su
     assert not still_running(seen, timeout=10)
     assert not hosts.left()
     assert all(code == 0 for args, code in codes.items() if "site" in args or "server" in args), codes
+
+
+def _median_round_s(log: Path) -> float:
+    """The median of a trainer's "round N: ..., T s" lines: its ranks' training time in a round."""
+    times = sorted(float(m.group(1)) for m in re.finditer(r"round \d+: loss [\d.]+, \d+ step\(s\), ([\d.]+) s",
+                                                          log.read_text()))
+    return times[len(times) // 2] if times else float("nan")

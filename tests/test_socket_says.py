@@ -40,8 +40,8 @@ def _refusal(boundary: Boundary, config: dict) -> dict:
 def test_hello_names_the_cluster_and_its_hardware_and_nothing_of_its_data(tmp_path):
     boundary = _boundary(tmp_path, PrivacyPolicy(mode="sample", min_noise_multiplier=1.0))
     said = {k: v for k, v in unpack(boundary._answer_now("hello", {}))[0].items() if k != "ok"}
-    assert said == describe(boundary.opts) == {"cluster_id": 3, "workers": 1, "device": "cpu", "precision": "auto",
-                                               "parallel": "ddp", "privacy_mode": "sample"}
+    assert said == describe(boundary.opts) == {"cluster_id": 3, "workers": 1, "nodes": 1, "device": "cpu",
+                                               "precision": "auto", "parallel": "ddp", "privacy_mode": "sample"}
     assert {k.replace("_", "-") for k in said} <= set(IN_THE_CLEAR)
     assert str(N) not in str(said)
 

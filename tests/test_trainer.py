@@ -48,8 +48,8 @@ def test_ddp_ranks_stay_in_sync_and_snapshots_restore_exactly(tmp_path, tiny_mod
     global_adapter = adapter_arrays(build_model(cfg.model, num_labels=5, seed=0))
     proc, sock, info = start_trainer(tmp_path, tiny_model, "a")
     try:
-        assert info["workers"] == 2 and set(info) == {"ok", "cluster_id", "workers", "device", "precision", "parallel",
-                                                       "privacy_mode"}  # nothing of the data on the socket
+        assert info["workers"] == 2 and set(info) == {"ok", "cluster_id", "workers", "nodes", "device", "precision",
+                                                       "parallel", "privacy_mode"}  # nothing of the data on the socket
         shard = json.loads((tmp_path / "state" / SHARD_FILE).read_text())  # the operator's, in the private folder
         assert shard["num_examples"] > 0 and sum(shard["label_counts"].values()) == shard["num_examples"]
         r1, u1 = request(sock, {"op": "train", "config": make(1)}, global_adapter)

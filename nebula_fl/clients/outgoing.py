@@ -32,6 +32,7 @@ IN_THE_CLEAR = {
     "secagg-keys-held": "protocol state: whether the key shares arrived",
     "steps": "the local steps the server asked for (a masked round refuses local-steps = \"auto\")",
     "workers": "the cluster's hardware, not its data",
+    "nodes": "the cluster's hardware (machines it spans), not its data",
     "device": "the cluster's hardware, not its data",
     "precision": "the cluster's hardware choice (bf16 autocast or fp32), not its data",
     "parallel": "the cluster's hardware, not its data",

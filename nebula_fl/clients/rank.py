@@ -27,9 +27,37 @@ CONTROL_TIMEOUT = timedelta(days=30)  # ranks >= 1 idle in a broadcast between r
 
 
 def _device_for(rank: int, opts: TrainerOptions):
+    """This rank's device, by its place on its own node."""
     import torch
 
-    return torch.device(worker_devices(opts.device, workers=opts.workers)[rank])
+    return torch.device(worker_devices(opts.device, workers=opts.workers)[rank - opts.first_rank])
+
+
+def _init_method(opts: TrainerOptions, init_file: str) -> str:
+    """One node: a file in the state folder. Several: the c10d TCP store on node 0 (torch.distributed's own
+    rendezvous, as torchrun's static one), with gloo on the interface that reaches it unless the operator set one."""
+    if opts.nnodes == 1:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        return f"file://{init_file}"
+    host, _, port = opts.rendezvous.rpartition(":")
+    if "GLOO_SOCKET_IFNAME" not in os.environ and (name := interface_towards(host, int(port))):
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+    return f"tcp://{opts.rendezvous}"
+
+
+def interface_towards(host: str, port: int) -> str | None:
+    """The network interface this machine reaches `host` through (a UDP socket's route: nothing is sent)."""
+    import socket
+
+    import psutil
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    return next((name for name, addrs in psutil.net_if_addrs().items() for a in addrs if a.address == local), None)
 
 
 def rank_main(rank: int, opts: TrainerOptions, init_file: str, supervisor: int) -> None:
@@ -37,7 +65,7 @@ def rank_main(rank: int, opts: TrainerOptions, init_file: str, supervisor: int) 
     from nebula_fl.lifetime import die_with_process
 
     die_with_process(supervisor, signal.SIGKILL)  # even by SIGKILL: no rank outlives its trainer
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    init_method = _init_method(opts, init_file)
     import torch
     import torch.distributed as dist
 
@@ -48,11 +76,13 @@ def rank_main(rank: int, opts: TrainerOptions, init_file: str, supervisor: int) 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=opts.workers)
+    # A rank that dies ends the others' collectives at once (its connections close), on any node; a node cut off
+    # without a word ends them after torch.distributed's default timeout (30 min for gloo): never a hang.
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=opts.world)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     trainer = ClusterTrainer(
         WorkerContext(
-            rank=rank, world=opts.workers, cluster_id=opts.cluster_id, device=device,
+            rank=rank, world=opts.world, cluster_id=opts.cluster_id, device=device,
             model_path=opts.model_path, shard=opts.shard, state_dir=opts.state_dir, control=control,
             slowdown=opts.slowdown, precision=opts.precision, parallel=opts.parallel,
         )

@@ -111,14 +111,30 @@ def _check(opts: TrainerOptions) -> tuple[list[str], str]:
     check_parallel(opts.parallel)
     if opts.parallel == "fsdp" and opts.policy.mode == "sample":
         raise NebulaError(f"cluster {opts.cluster_id}'s privacy policy is 'sample', but {DP_REFUSED}")
-    if len(opts.shard) < opts.workers:
-        raise NebulaError(f"cluster {opts.cluster_id} has {len(opts.shard)} examples for {opts.workers} workers")
+    _check_nodes(opts)
+    if len(opts.shard) < opts.world:
+        raise NebulaError(f"cluster {opts.cluster_id} has {len(opts.shard)} examples for {opts.world} workers")
     devices = worker_devices(opts.device, workers=opts.workers)
     if devices[0] != "cpu":  # (torch is imported only to count GPUs)
         check_visible(devices, visible=visible_gpus())
     precision = resolve_precision(opts.precision, device_kind=devices[0].split(":")[0], privacy_mode=opts.policy.mode)
     opts.policy.check_for(len(opts.shard))
     return devices, precision
+
+
+def _check_nodes(opts: TrainerOptions) -> None:
+    """A cluster across machines: a node count, this node's place, and where they meet."""
+    if not 1 <= opts.nnodes <= 1024:
+        raise NebulaError(f"--nnodes is {opts.nnodes}; use 1 (this machine only) to 1024")
+    if not 0 <= opts.node_rank < opts.nnodes:
+        raise NebulaError(f"--node-rank is {opts.node_rank}; with --nnodes {opts.nnodes} use 0 to {opts.nnodes - 1}")
+    if opts.nnodes > 1:
+        host, sep, port = (opts.rendezvous or "").rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise NebulaError(f"--nnodes {opts.nnodes} needs --rendezvous HOST:PORT, node 0's address and a free port "
+                              f"on it (every node gives the same), not {opts.rendezvous!r}")
+    elif opts.rendezvous is not None:
+        raise NebulaError("--rendezvous is for a cluster across machines; pass --nnodes N too, or drop it")
 
 
 def _supervise(procs: list, stopping: dict[str, Any], *, cluster_id: int) -> int:
@@ -155,8 +171,9 @@ def _rank_processes(opts: TrainerOptions, init_file: Path) -> list:
     every cluster it runs), else, or if that host cannot be reached, from this trainer's own fork server."""
     import multiprocessing as mp
 
-    names = [f"nebula-trainer-{opts.cluster_id}-{rank}" for rank in range(opts.workers)]
-    args = [(rank, opts, str(init_file), os.getpid()) for rank in range(opts.workers)]
+    ranks = range(opts.first_rank, opts.first_rank + opts.workers)  # this node's, in the cluster's numbering
+    names = [f"nebula-trainer-{opts.cluster_id}-{rank}" for rank in ranks]
+    args = [(rank, opts, str(init_file), os.getpid()) for rank in ranks]
     if opts.rank_host is not None:
         try:
             host = RankHostClient(opts.rank_host)
@@ -178,7 +195,9 @@ def run_trainer(opts: TrainerOptions) -> int:
     os.umask(0o077)
     lock = _lock_state_dir(opts.state_dir, wait_s=opts.lock_wait_s)
     write_shard_file(opts)
-    secagg = SecAggStage.for_policy(state_dir=opts.state_dir, cluster_id=opts.cluster_id, policy=opts.policy)
+    # the cluster's identity and roster are node 0's, whose rank 0 alone masks and answers (Boundary)
+    secagg = (SecAggStage.for_policy(state_dir=opts.state_dir, cluster_id=opts.cluster_id, policy=opts.policy)
+              if opts.node_rank == 0 else None)
     if socket_in_use(opts.socket_path):
         raise NebulaError(f"another trainer already serves '{opts.socket_path}'; stop it first, or pass another --socket")
     ledger = ClusterLedger(path=opts.state_dir / LEDGER_FILE, accountant=opts.policy.accountant)  # readable, or exit 2
@@ -199,9 +218,13 @@ def run_trainer(opts: TrainerOptions) -> int:
     spent = {m: ledger.steps(mode=m) for m in ("sample", "client")}
     print(
         f"trainer {opts.cluster_id}: {opts.workers} worker(s) on {'+'.join(devices)} "
-        f"({precision}, parallel {opts.parallel}), {len(opts.shard)} examples, "
-        f"socket {opts.socket_path}; privacy policy: {opts.policy.mode}{budget}; ledger {spent['sample']} sample-level "
-        f"step(s), {spent['client']} client-level release(s) so far; {secagg.describe()}",
+        f"({precision}, parallel {opts.parallel}), {len(opts.shard)} examples, " + (
+            f"node {opts.node_rank} of {opts.nnodes} (ranks {opts.first_rank}-{opts.first_rank + opts.workers - 1} "
+            f"of {opts.world}, rendezvous {opts.rendezvous}), " if opts.nnodes > 1 else "") +
+        (f"socket {opts.socket_path}" if opts.node_rank == 0 else "no socket (node 0 serves the cluster)") +
+        f"; privacy policy: {opts.policy.mode}{budget}; ledger {spent['sample']} sample-level "
+        f"step(s), {spent['client']} client-level release(s) so far; "
+        + (secagg.describe() if secagg else "secure aggregation: node 0's"),
         flush=True,
     )
     try:

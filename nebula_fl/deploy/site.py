@@ -33,13 +33,17 @@ def site_services(cfg: SiteConfig) -> list[Service]:
     sock = run / "trainer.sock"
     secret = superexec_secret(run / "superexec.secret")  # new at every start: only this site's runner holds it
     env = child_env(cfg.state_dir / "flwr")
+    if "GLOO_SOCKET_IFNAME" not in os.environ:  # the ranks pick it: loopback on one machine, else the route to node 0
+        env.pop("GLOO_SOCKET_IFNAME", None)
     tls = (["--insecure"] if cfg.insecure else
            ["--root-certificates", str(cfg.ca), "--auth-supernode-private-key", str(cfg.node_key)])
     trainer = Service(
         name="trainer", env=env, cwd=cfg.state_dir,
-        argv=[sys.executable, "-m", "nebula_fl", "trainer", "--socket", str(sock), "--cluster-id", str(cfg.cluster_id),
-              "--state-dir", str(cfg.state_dir / "trainer"), *cfg.trainer_flags],
+        argv=[sys.executable, "-m", "nebula_fl", "trainer", *(["--socket", str(sock)] if cfg.node_rank == 0 else []),
+              "--cluster-id", str(cfg.cluster_id), "--state-dir", str(cfg.state_dir / "trainer"), *cfg.trainer_flags],
     )
+    if cfg.node_rank > 0:  # another machine of a cluster: its ranks only; node 0's SuperNode serves the cluster
+        return [trainer]
     supernode = Service(
         name="supernode", env=env, cwd=cfg.state_dir, retry={SUPERNODE_REFUSED: (REFUSED_RETRY_S, REFUSED_WHY)},
         argv=[_bin("flower-supernode"), "--superlink", cfg.superlink, *tls, "--isolation", "process",
@@ -55,6 +59,8 @@ def site_services(cfg: SiteConfig) -> list[Service]:
 
 
 def describe(cfg: SiteConfig) -> str:
+    if cfg.node_rank > 0:
+        return f"site: cluster {cfg.cluster_id}, node {cfg.node_rank} (its trainer only); state {cfg.state_dir}"
     link = "insecure (plain HTTP)" if cfg.insecure else f"TLS (CA {cfg.ca}), node key {cfg.node_key}"
     return (f"site: cluster {cfg.cluster_id} -> SuperLink {cfg.superlink}, {link}; state {cfg.state_dir}, logs "
             f"{cfg.log_dir}" + (f", health http://{cfg.health}/health" if cfg.health else ""))

@@ -19,7 +19,8 @@ planned-local-steps = 10
 ```
 
 Every key is checked when the file is read, with the same bounds and one-line errors as the flags, so a typo
-stops the site before anything starts.
+stops the site before anything starts. A cluster across machines runs a site on each: `nnodes`, `node-rank` and
+`rendezvous` under [trainer]; a node other than 0 runs the trainer only (node 0's SuperNode serves the cluster).
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ class SiteConfig:
         where = str(self.path)
         if self.cluster_id < 0:
             raise NebulaError(f"{where}: cluster-id = {self.cluster_id}; a cluster id is 0 or more")
+        if self.node_rank > 0:  # the trainer only: no SuperNode, no link to the SuperLink
+            return
+        if not self.superlink:
+            raise NebulaError(f"{where}: 'superlink' is missing (node 0 of a cluster runs its SuperNode)")
         parse_address(self.superlink, where=f"{where}: superlink")
         if self.health is not None:
             parse_address(self.health, where=f"{where}: health")
@@ -94,6 +99,12 @@ class SiteConfig:
                 if not value.is_file():
                     raise NebulaError(f"{where}: {key} = '{value}' does not exist")
 
+    @property
+    def node_rank(self) -> int:
+        """This machine's place in a cluster across machines ([trainer] node-rank; 0 serves the SuperNode)."""
+        flags = self.trainer_flags
+        return int(flags[flags.index("--node-rank") + 1]) if "--node-rank" in flags else 0
+
     @classmethod
     def load(cls, path: Path) -> SiteConfig:
         path = Path(path).expanduser().resolve()
@@ -102,7 +113,7 @@ class SiteConfig:
         if unknown:
             raise NebulaError(f"{path}: unknown key '{unknown[0]}' (a trainer flag goes under [trainer]); known: "
                               f"{', '.join(sorted(SITE_KEYS))}")
-        for key in ("cluster-id", "superlink", "state-dir"):
+        for key in ("cluster-id", "state-dir"):
             if key not in doc:
                 raise NebulaError(f"{path}: '{key}' is missing")
         trainer = doc.get("trainer", {})
@@ -129,7 +140,7 @@ class SiteConfig:
 
         state_dir = _path("state-dir")
         assert state_dir is not None
-        return cls(path=path, cluster_id=_typed("cluster-id", int), superlink=_typed("superlink", str),
+        return cls(path=path, cluster_id=_typed("cluster-id", int), superlink=_typed("superlink", str) or "",
                    state_dir=state_dir, log_dir=_path("log-dir") or state_dir / "logs",
                    insecure=_typed("insecure", bool, False), ca=_path("ca"), node_key=_path("node-key"),
                    health=_typed("health", str), runtime_port=_typed("runtime-port", int, 9094),
