@@ -127,7 +127,7 @@ def _deploy_and_check(base: Path, procs: ProcessSet) -> None:
         hello = _as(NODE, NODE, [SOCKET_GROUP], f"from nebula_fl.clients.protocol import request; import json; "
                                                 f"print(json.dumps(request({str(sock)!r}, {{'op': 'hello'}})[0]))")
         assert hello.returncode == 0, hello.stderr
-        assert json.loads(hello.stdout) == {"ok": True, "cluster_id": 0, "workers": 1, "device": "cpu",
+        assert json.loads(hello.stdout) == {"ok": True, "cluster_id": 0, "workers": 1, "nodes": 1, "device": "cpu",
                                             "precision": "auto", "parallel": "ddp", "privacy_mode": "client"}
         # controls: a user outside the socket's group cannot even connect; and a file the trainer's user leaves
         # readable is found by the same check, so an empty list above means something
