@@ -344,7 +344,7 @@ def _check_trainer_flags(flags: list[str], *, where: str) -> None:
 
 
 def _site(args: argparse.Namespace) -> int:
-    from nebula_fl.deploy.site import describe, log_dir, site_services
+    from nebula_fl.deploy.site import describe, site_services
     from nebula_fl.deploy.site_config import SiteConfig
     from nebula_fl.deploy.supervisor import Supervisor, main_loop
 
@@ -353,7 +353,7 @@ def _site(args: argparse.Namespace) -> int:
     print(describe(cfg), flush=True)
     if args.check:
         return 0
-    return main_loop(Supervisor(site_services(cfg), log_dir=log_dir(cfg)), health=cfg.health)
+    return main_loop(Supervisor(site_services(cfg), log_dir=cfg.log_dir), health=cfg.health)  # made at each start
 
 
 def _server(args: argparse.Namespace) -> int:

@@ -102,6 +102,18 @@ def launch_trainer(args: list[str], *, sock: Path, log_path: Path, timeout: floa
             time.sleep(0.3)
 
 
+def start_plain_superlink(procs, *, port: int, home: Path, folder: Path) -> None:
+    """A `flower-superlink --insecure` on `port` (started in `procs`, its log in `folder`), once it listens."""
+    from nebula_fl.launcher.federation import _bin, child_env
+    from nebula_fl.launcher.plan import port_free
+
+    procs.start("superlink", [_bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
+                              "--port", str(port)], log_path=folder / "superlink.log", env=child_env(home), cwd=folder)
+    deadline = time.monotonic() + 60
+    while port_free(port):
+        assert time.monotonic() < deadline, "the SuperLink did not open its port"
+        time.sleep(0.2)
+
 def stop_trainer(proc, timeout: float = 30.0) -> None:
     proc.terminate()
     assert proc.wait(timeout) == 0
@@ -152,13 +164,7 @@ def still_running(procs, *, timeout: float) -> list:
     """Those of `procs` (psutil.Process) still running after up to `timeout` s. A zombie runs nothing: it counts as
     gone, since only its parent can reap it, and for an orphan that is the machine's init (which in some containers
     never does)."""
-    import psutil
-
-    def running(p) -> bool:
-        try:
-            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
+    from nebula_fl.launcher.processes import running
 
     deadline = time.monotonic() + timeout
     while (alive := [p for p in procs if running(p)]) and time.monotonic() < deadline:

@@ -21,8 +21,9 @@ from nebula_fl.clients.bundle_check import COMPONENTS, MAX_BUNDLE_BYTES, BundleR
 from nebula_fl.clients.runner import RunnerOptions
 from nebula_fl.errors import ConfigError
 from nebula_fl.launcher.federation import _bin, child_env, write_app
-from nebula_fl.launcher.plan import free_port, port_free
+from nebula_fl.launcher.plan import free_port
 from nebula_fl.launcher.processes import ProcessSet
+from tests.conftest import start_plain_superlink
 
 REPO = Path(__file__).resolve().parents[1]
 ROUNDS = 8  # a federation that meets the foreign bundle runs this many rounds: still running when it comes back
@@ -228,13 +229,7 @@ def test_control_a_stock_supernode_runs_the_foreign_clientapp_and_the_traces_sho
     (home / "config.toml").write_text(tomli_w.dumps({"superlink": {"default": "target", "target": target}}))
     procs = ProcessSet()
     try:
-        procs.start("superlink", [_bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
-                                  "--port", str(port)], log_path=tmp_path / "superlink.log", env=child_env(home),
-                    cwd=tmp_path)
-        deadline = time.monotonic() + 60
-        while port_free(port):
-            assert time.monotonic() < deadline, "the SuperLink did not open its port"
-            time.sleep(0.2)
+        start_plain_superlink(procs, port=port, home=home, folder=tmp_path)
         procs.start("supernode", [_bin("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}", "--port",
                                   str(free_port())], log_path=tmp_path / "supernode.log", env=child_env(home))
         _submit(_evil_app(tmp_path, marks), home=home, cwd=tmp_path)

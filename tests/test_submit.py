@@ -7,18 +7,17 @@ not exist. The launcher's federations (test_e2e and the others) submit through i
 from __future__ import annotations
 
 import subprocess
-import time
 
 import pytest
 import tomli_w
 
 from nebula_fl.config import RunConfig
-from nebula_fl.launcher.federation import _bin, child_env, write_app
-from nebula_fl.launcher.plan import free_port, port_free
+from nebula_fl.launcher.federation import child_env, write_app
+from nebula_fl.launcher.plan import free_port
 from nebula_fl.launcher.processes import ProcessSet
 from nebula_fl.launcher.submit import Submission, verdict
 from nebula_fl.server.outcome import outcome_line, parse_outcome
-from tests.conftest import nebula_cmd
+from tests.conftest import nebula_cmd, start_plain_superlink
 
 
 def shown(*lines: str) -> Submission:
@@ -74,13 +73,7 @@ def test_a_run_whose_serverapp_fails_exits_one_and_a_run_that_never_starts_exits
     app = write_app(tmp_path, cfg.to_flat())
     procs = ProcessSet()
     try:
-        procs.start("superlink", [_bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
-                                  "--port", str(port)], log_path=tmp_path / "superlink.log", env=child_env(home),
-                    cwd=tmp_path)
-        deadline = time.monotonic() + 60
-        while port_free(port):
-            assert time.monotonic() < deadline, "the SuperLink did not open its port"
-            time.sleep(0.2)
+        start_plain_superlink(procs, port=port, home=home, folder=tmp_path)
         failed = subprocess.run(nebula_cmd("submit", str(app), "here"), env=child_env(home), capture_output=True,
                                 text=True, timeout=240, cwd=tmp_path)
         # no cluster ever connects: the ServerApp fails, which `flwr run --stream` alone reports with exit 0

@@ -27,6 +27,7 @@ import tomli_w
 
 from nebula_fl.deploy.health import parse_address
 from nebula_fl.deploy.site_config import read_toml
+from nebula_fl.deploy.site_config import typed as typed_value
 from nebula_fl.deploy.supervisor import Service
 from nebula_fl.errors import NebulaError
 from nebula_fl.launcher.federation import _bin, child_env
@@ -80,10 +81,7 @@ class ServerConfig:
             raise NebulaError(f"{path}: 'work-dir' is missing (where run folders and logs go)")
 
         def typed(key: str, kind: type, default: Any = None) -> Any:
-            value = doc.get(key, default)
-            if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
-                raise NebulaError(f"{path}: {key} = {value!r} must be {kind.__name__}")
-            return value
+            return typed_value(doc, key, kind, default, path=path)
 
         def resolved(value: str, base: Path) -> Path:
             return (base / value).expanduser().resolve()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 from nebula_fl.deploy.site_config import SiteConfig
 from nebula_fl.deploy.supervisor import Service
@@ -64,8 +63,3 @@ def describe(cfg: SiteConfig) -> str:
     link = "insecure (plain HTTP)" if cfg.insecure else f"TLS (CA {cfg.ca}), node key {cfg.node_key}"
     return (f"site: cluster {cfg.cluster_id} -> SuperLink {cfg.superlink}, {link}; state {cfg.state_dir}, logs "
             f"{cfg.log_dir}" + (f", health http://{cfg.health}/health" if cfg.health else ""))
-
-
-def log_dir(cfg: SiteConfig) -> Path:
-    cfg.log_dir.mkdir(parents=True, exist_ok=True)
-    return cfg.log_dir

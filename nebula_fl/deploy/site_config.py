@@ -49,6 +49,14 @@ def read_toml(path: Path, *, what: str) -> dict[str, Any]:
         raise NebulaError(f"{path}: the {what} config is not valid TOML: {err}") from None
 
 
+def typed(doc: dict[str, Any], key: str, kind: type, default: Any = None, *, path: Path) -> Any:
+    """`doc[key]` (or `default`) if it is a `kind` (a bool is not an int); else one line naming the file and key."""
+    value = doc.get(key, default)
+    if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+        raise NebulaError(f"{path}: {key} = {value!r} must be {kind.__name__}")
+    return value
+
+
 def _flags(table: dict[str, Any], *, where: str) -> list[str]:
     """A table of `--flag value` pairs by long name: true is the bare flag, false leaves it out."""
     argv: list[str] = []
@@ -133,10 +141,7 @@ class SiteConfig:
             return (path.parent / value).expanduser().resolve()
 
         def _typed(key: str, kind: type, default: Any = None) -> Any:
-            value = doc.get(key, default)
-            if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
-                raise NebulaError(f"{path}: {key} = {value!r} must be {kind.__name__}")
-            return value
+            return typed(doc, key, kind, default, path=path)
 
         state_dir = _path("state-dir")
         assert state_dir is not None

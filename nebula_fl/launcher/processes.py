@@ -58,7 +58,8 @@ def _tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def _running(proc: psutil.Process) -> bool:
+def running(proc: psutil.Process) -> bool:
+    """Alive and not a zombie (a zombie runs nothing; only its parent, or init for an orphan, can reap it)."""
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -159,7 +160,7 @@ class ProcessSet:
             for proc in list(members.values()):
                 for child in _tree(proc.pid)[1:]:
                     members.setdefault(child.pid, child)
-            alive = [p for p in members.values() if _running(p)]
+            alive = [p for p in members.values() if running(p)]
             if not alive:
                 break
             sig = signal.SIGTERM if time.monotonic() < deadline else signal.SIGKILL

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -42,7 +43,7 @@ class Submission:
     run_id: int | None = None
     outcome: dict | None = None
     last_error: str | None = None
-    lines: list[str] = field(default_factory=list)
+    lines: deque[str] = field(default_factory=lambda: deque(maxlen=20))  # the last ones, for a run that never starts
 
     def read(self, line: str) -> None:
         text = line.strip()
@@ -52,7 +53,7 @@ class Submission:
             self.outcome = outcome
         elif _is_error(text):
             self.last_error = text
-        self.lines = [*self.lines[-19:], text]
+        self.lines.append(text)
 
 
 def _is_error(text: str) -> bool:
@@ -115,11 +116,12 @@ def verdict(seen: Submission, row: dict) -> tuple[int, str]:
     where = f"; run folder on the server host: {outcome['run_folder']}" if outcome.get("run_folder") else ""
     if status == "finished:completed" and outcome.get("status") == "completed" and isinstance(rounds, int) and rounds >= 1:
         return 0, f"run {seen.run_id}: completed, {rounds} round(s) aggregated{where}"
-    why = (outcome.get("error") or (details if details and details != status else None) or seen.last_error
-           or ("the ServerApp wrote no outcome line (it stopped before its end, or it is not nebula-fl's)"
-               if not seen.outcome else f"the ServerApp reported {outcome.get('status')} after {rounds} round(s)"))
-    if status == "finished:completed" and seen.outcome and outcome.get("status") == "completed":
+    if status == "finished:completed" and outcome.get("status") == "completed":
         why = "no round was aggregated"
+    else:
+        why = (outcome.get("error") or (details if details and details != status else None) or seen.last_error
+               or ("the ServerApp wrote no outcome line (it stopped before its end, or it is not nebula-fl's)"
+                   if not seen.outcome else f"the ServerApp reported {outcome.get('status')} after {rounds} round(s)"))
     return 1, f"run {seen.run_id}: {status.removeprefix(FINISHED)}: {why}{where}"
 
 
