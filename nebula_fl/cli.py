@@ -88,7 +88,8 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
                    help="a group (name or id) whose members may connect to the socket: the SuperNode's user, when the "
                    "trainer runs as its own user (README: Deploying a cluster); default: this user only")
     p.add_argument("--cluster-id", type=int, default=0, help="this cluster's id (shown in the server's metrics)")
-    p.add_argument("--workers", type=int, default=1, help="data-parallel workers (DDP ranks)")
+    p.add_argument("--workers", type=int, help="data-parallel workers (DDP ranks) on this machine (default 1; under "
+                   "torchrun its --nproc-per-node)")
     p.add_argument("--device", default="cpu",
                    help="cpu (gloo), cuda (worker r on GPU r, nccl), cuda:N (one worker), or one device per worker "
                    "joined by '+', e.g. cuda:0+cuda:2; GPU numbers as CUDA_VISIBLE_DEVICES shows them")
@@ -110,9 +111,13 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
                    "default 30")
     p.add_argument("--state-dir", default="nebula-trainer-state",
                    help="the cluster's own folder: its privacy ledger (for life), round snapshots, reply cache")
-    nodes = p.add_argument_group("a cluster across machines: one trainer per machine, meeting at node 0")
-    nodes.add_argument("--nnodes", type=int, default=1, help="machines in this cluster (default 1)")
-    nodes.add_argument("--node-rank", type=int, default=0,
+    nodes = p.add_argument_group(
+        "a cluster across machines: one trainer per machine, meeting at node 0",
+        "or start the trainer with torchrun on each machine (`torchrun --nnodes ... --nproc-per-node W -m nebula_fl "
+        "trainer ...`, its static or c10d rendezvous), --socket on the SuperNode's machine only: torchrun sets "
+        "the workers, nodes and rendezvous, so these flags and --workers and --rank-host are refused under it")
+    nodes.add_argument("--nnodes", type=int, help="machines in this cluster (default 1)")
+    nodes.add_argument("--node-rank", type=int,
                        help="this machine's place, 0 to nnodes-1; node 0 serves the SuperNode's socket")
     nodes.add_argument("--rendezvous", metavar="HOST:PORT",
                        help="node 0's address and a free port there, the same on every node: torch.distributed's "
@@ -474,6 +479,7 @@ def _privacy_policy(args: argparse.Namespace):
 def _trainer(args: argparse.Namespace) -> int:
     import os
 
+    from nebula_fl.clients.torchrun import TORCHRUN_FLAGS, run_torchrun_worker, torchrun_worker
     from nebula_fl.clients.trainer_service import TrainerOptions, run_trainer
     from nebula_fl.config import DataConfig
     from nebula_fl.data.datasets import cluster_shard, load_dataset
@@ -481,12 +487,19 @@ def _trainer(args: argparse.Namespace) -> int:
 
     if (args.data is None) == (args.dataset is None):
         raise NebulaError("the trainer needs exactly one of --data (this cluster's own) or --dataset (a shared one)")
-    if args.socket is None and args.node_rank == 0:
+    worker = torchrun_worker()
+    if worker is not None:
+        given = [flag for flag in TORCHRUN_FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None]
+        if given:
+            raise NebulaError(f"{', '.join(given)} given to a trainer under torchrun, which sets them: use torchrun's "
+                              "--nproc-per-node, --nnodes, --node-rank and rendezvous flags instead")
+    elif args.socket is None and (args.node_rank or 0) == 0:
         raise NebulaError("the trainer needs --socket (the path its SuperNode's ClientApp connects to); only a node "
                           "other than 0 of a cluster across machines (--node-rank N) serves none")
+    workers = worker.local_world if worker else 1 if args.workers is None else args.workers
     state_dir = Path(args.state_dir).expanduser().resolve()
     socket_path = (Path(args.socket).expanduser().resolve() if args.socket is not None
-                   else state_dir / f"node-{args.node_rank}.sock")  # never listened on: node 0 serves the cluster
+                   else state_dir / f"node-{args.node_rank or 0}.sock")  # never listened on: node 0 serves the cluster
     if args.data is not None:
         shard = load_dataset(args.data, targets=args.targets)
     else:
@@ -494,17 +507,19 @@ def _trainer(args: argparse.Namespace) -> int:
                          max_examples=args.max_examples)
         shard = cluster_shard(cfg, seed=args.seed, cluster_id=args.cluster_id, num_clusters=args.num_clusters,
                               targets=args.targets)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.workers))
+    threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, workers))
     policy = _privacy_policy(args)
     opts = TrainerOptions(
         cluster_id=args.cluster_id, socket_path=socket_path, state_dir=state_dir,
         model_path=resolve_model_path(args.model),
-        shard=shard, workers=args.workers, device=args.device, precision=args.precision, threads=threads, policy=policy,
+        shard=shard, workers=workers, device=args.device, precision=args.precision, threads=threads, policy=policy,
         slowdown=args.slowdown, lock_wait_s=args.lock_wait, parallel=args.parallel,
         socket_group=_group_id(args.socket_group),
         rank_host=None if args.rank_host is None else Path(args.rank_host).expanduser().resolve(),
-        nnodes=args.nnodes, node_rank=args.node_rank, rendezvous=args.rendezvous,
+        nnodes=1 if args.nnodes is None else args.nnodes, node_rank=args.node_rank or 0, rendezvous=args.rendezvous,
     )
+    if worker is not None:
+        return run_torchrun_worker(opts, worker, serves=args.socket is not None)
     return run_trainer(opts)
 
 

@@ -232,7 +232,8 @@ SHARED_FEDERATIONS = ("causal_lm_secure_federation",)
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks into the work units
 def pytest_collection_modifyitems(items) -> None:
     """A test that launches `nebula-fl run` (the run_cli fixture) or reads a shared federation is an end-to-end one:
-    marked so that `pytest -m "not e2e"` (`make test-fast`) iterates on the rest; `make test` runs them all."""
+    marked so that `pytest -m "not e2e"` (`make test-fast`) iterates on the rest; `make test` runs them all, the
+    longest first."""
     for item in items:
         names = getattr(item, "fixturenames", ())
         if "run_cli" in names or any(name in names for name in SHARED_FEDERATIONS):
@@ -240,6 +241,9 @@ def pytest_collection_modifyitems(items) -> None:
         for name in SHARED_FEDERATIONS:
             if name in names:
                 item.add_marker(pytest.mark.xdist_group(name))
+    # Longest first (pytest-xdist hands tests out in this order): the tests that start federations go before the
+    # short ones, so the end of the run is short tests spread over every worker, not one long test running alone.
+    items.sort(key=lambda item: 0 if item.get_closest_marker("longest") else 1 if item.get_closest_marker("e2e") else 2)
 
 
 @dataclass

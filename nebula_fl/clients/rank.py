@@ -35,14 +35,19 @@ def _device_for(rank: int, opts: TrainerOptions):
 
 def _init_method(opts: TrainerOptions, init_file: str) -> str:
     """One node: a file in the state folder. Several: the c10d TCP store on node 0 (torch.distributed's own
-    rendezvous, as torchrun's static one), with gloo on the interface that reaches it unless the operator set one."""
+    rendezvous, as torchrun's static one)."""
+    gloo_interface(opts)
+    return f"file://{init_file}" if opts.nnodes == 1 else f"tcp://{opts.rendezvous}"
+
+
+def gloo_interface(opts: TrainerOptions) -> None:
+    """Gloo's interface, unless the operator set one: loopback on one node, else the one that reaches node 0."""
     if opts.nnodes == 1:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        return f"file://{init_file}"
+        return
     host, _, port = opts.rendezvous.rpartition(":")
     if "GLOO_SOCKET_IFNAME" not in os.environ and (name := interface_towards(host, int(port))):
         os.environ["GLOO_SOCKET_IFNAME"] = name
-    return f"tcp://{opts.rendezvous}"
 
 
 def interface_towards(host: str, port: int) -> str | None:
@@ -60,12 +65,17 @@ def interface_towards(host: str, port: int) -> str | None:
     return next((name for name, addrs in psutil.net_if_addrs().items() for a in addrs if a.address == local), None)
 
 
-def rank_main(rank: int, opts: TrainerOptions, init_file: str, supervisor: int) -> None:
-    """Entry point of one rank, forked by the supervisor's fork server (``trainer_service.run_trainer``)."""
+def rank_main(rank: int, opts: TrainerOptions, init_file: str, supervisor: int, *, store: Any = None) -> None:
+    """Entry point of one rank, forked by the supervisor's fork server (``trainer_service.run_trainer``), or a
+    worker torchrun started (``torchrun.py``: `store` is where torchrun's workers meet, `supervisor` its agent)."""
     from nebula_fl.lifetime import die_with_process
 
     die_with_process(supervisor, signal.SIGKILL)  # even by SIGKILL: no rank outlives its trainer
-    init_method = _init_method(opts, init_file)
+    if store is None:
+        init_method = _init_method(opts, init_file)
+    else:
+        init_method = None
+        gloo_interface(opts)
     import torch
     import torch.distributed as dist
 
@@ -78,7 +88,7 @@ def rank_main(rank: int, opts: TrainerOptions, init_file: str, supervisor: int) 
     backend = "nccl" if device.type == "cuda" else "gloo"
     # A rank that dies ends the others' collectives at once (its connections close), on any node; a node cut off
     # without a word ends them after torch.distributed's default timeout (30 min for gloo): never a hang.
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=opts.world)
+    dist.init_process_group(backend, init_method=init_method, store=store, rank=rank, world_size=opts.world)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     trainer = ClusterTrainer(
         WorkerContext(

@@ -98,7 +98,7 @@ def budget_phrase(policy: PrivacyPolicy) -> str:
         " (default: the policy sets no max_epsilon)" if policy.budget_is_default else "")
 
 
-def _check(opts: TrainerOptions) -> tuple[list[str], str]:
+def check(opts: TrainerOptions) -> tuple[list[str], str]:
     """Every refusal the operator's flags can earn, before anything starts: the workers' devices and precision."""
     if opts.workers < 1:
         raise NebulaError(f"--workers is {opts.workers}; use 1 or more")
@@ -187,21 +187,42 @@ def _rank_processes(opts: TrainerOptions, init_file: Path) -> list:
     return [ctx.Process(target=_rank, args=a, name=name) for name, a in zip(names, args, strict=True)]
 
 
-def run_trainer(opts: TrainerOptions) -> int:
-    """Check everything, start the ranks and supervise them until a signal or a failure; returns the exit status."""
-    devices, precision = _check(opts)
-    # Everything the trainer writes (keys, ledger, snapshots, replies) is its user's alone: the SuperNode's user, and
-    # so whatever code might run as it, reaches the cluster through the socket only (ranks inherit the mask).
-    os.umask(0o077)
+def prepare_node(opts: TrainerOptions, *, devices: list[str], precision: str,
+                 launcher: str | None = None) -> tuple[int, str]:
+    """This machine's part before its ranks start: the state folder held (its lock's fd, kept for the trainer's
+    life), the shard file; on node 0 the cluster's identity, ledger and policy checked. Returns (lock, start line)."""
     lock = _lock_state_dir(opts.state_dir, wait_s=opts.lock_wait_s)
     write_shard_file(opts)
     # the cluster's identity and roster are node 0's, whose rank 0 alone masks and answers (Boundary)
     secagg = (SecAggStage.for_policy(state_dir=opts.state_dir, cluster_id=opts.cluster_id, policy=opts.policy)
               if opts.node_rank == 0 else None)
-    if socket_in_use(opts.socket_path):
+    if opts.node_rank == 0 and socket_in_use(opts.socket_path):
+        os.close(lock)
         raise NebulaError(f"another trainer already serves '{opts.socket_path}'; stop it first, or pass another --socket")
     ledger = ClusterLedger(path=opts.state_dir / LEDGER_FILE, accountant=opts.policy.accountant)  # readable, or exit 2
     opts.policy.save(opts.state_dir / POLICY_FILE)
+    spent = {m: ledger.steps(mode=m) for m in ("sample", "client")}
+    line = (
+        f"trainer {opts.cluster_id}: {opts.workers} worker(s) on {'+'.join(devices)} "
+        f"({precision}, parallel {opts.parallel}), {len(opts.shard)} examples, " + (
+            f"node {opts.node_rank} of {opts.nnodes} (ranks {opts.first_rank}-{opts.first_rank + opts.workers - 1} "
+            f"of {opts.world}, rendezvous {opts.rendezvous}), " if opts.nnodes > 1 else "")
+        + (f"{launcher}, " if launcher else "")
+        + (f"socket {opts.socket_path}" if opts.node_rank == 0 else "no socket (node 0 serves the cluster)")
+        + f"; privacy policy: {opts.policy.mode}{budget_phrase(opts.policy)}; ledger {spent['sample']} sample-level "
+        f"step(s), {spent['client']} client-level release(s) so far; "
+        + (secagg.describe() if secagg else "secure aggregation: node 0's")
+    )
+    return lock, line
+
+
+def run_trainer(opts: TrainerOptions) -> int:
+    """Check everything, start the ranks and supervise them until a signal or a failure; returns the exit status."""
+    devices, precision = check(opts)
+    # Everything the trainer writes (keys, ledger, snapshots, replies) is its user's alone: the SuperNode's user, and
+    # so whatever code might run as it, reaches the cluster through the socket only (ranks inherit the mask).
+    os.umask(0o077)
+    lock, line = prepare_node(opts, devices=devices, precision=precision)
     init_file = opts.state_dir / f".ddp-init-{os.getpid()}"
     init_file.unlink(missing_ok=True)
     procs = _rank_processes(opts, init_file)
@@ -214,19 +235,7 @@ def run_trainer(opts: TrainerOptions) -> int:
     signal.signal(signal.SIGINT, _stop)
     for p in procs:
         p.start()
-    budget = budget_phrase(opts.policy)
-    spent = {m: ledger.steps(mode=m) for m in ("sample", "client")}
-    print(
-        f"trainer {opts.cluster_id}: {opts.workers} worker(s) on {'+'.join(devices)} "
-        f"({precision}, parallel {opts.parallel}), {len(opts.shard)} examples, " + (
-            f"node {opts.node_rank} of {opts.nnodes} (ranks {opts.first_rank}-{opts.first_rank + opts.workers - 1} "
-            f"of {opts.world}, rendezvous {opts.rendezvous}), " if opts.nnodes > 1 else "") +
-        (f"socket {opts.socket_path}" if opts.node_rank == 0 else "no socket (node 0 serves the cluster)") +
-        f"; privacy policy: {opts.policy.mode}{budget}; ledger {spent['sample']} sample-level "
-        f"step(s), {spent['client']} client-level release(s) so far; "
-        + (secagg.describe() if secagg else "secure aggregation: node 0's"),
-        flush=True,
-    )
+    print(line, flush=True)
     try:
         status = _supervise(procs, stopping, cluster_id=opts.cluster_id)
     finally:
