@@ -257,6 +257,22 @@ def test_privacy_budgets_stop_each_cluster_and_the_run_ends_cleanly(tiny_model, 
     assert any(".lora_B." in k for k in adapter) and not any(".lora_A." in k for k in adapter)
     sent = sum(v.nbytes for v in adapter.values())
     assert sent < lines[0]["clusters"]["0"]["bytes_up"] < 1.2 * sent + 4000
+    # the PEFT adapter folder holds what crossed and the frozen A that never did (drawn from the run's seed), and
+    # PEFT's own loader puts exactly those into a fresh classifier
+    from peft import PeftModel, get_peft_model_state_dict
+
+    from nebula_fl.model.frozen_a import shared_a
+    from nebula_fl.model.loading import build_classifier
+
+    seed = json.loads((out / "config.json").read_text())["run_config"]["seed"]
+    head = next(v for k, v in adapter.items() if k.endswith(".weight") and ".lora_" not in k)
+    peft = PeftModel.from_pretrained(build_classifier(tiny_model, num_labels=head.shape[0], seed=seed + 1),
+                                     str(out / "peft-adapter"))
+    state = {k: v.detach().float().numpy() for k, v in get_peft_model_state_dict(peft).items()}
+    assert set(state) == set(adapter) | {k.replace(".lora_B.", ".lora_A.") for k in adapter if ".lora_B." in k}
+    for key, value in state.items():
+        want = shared_a(seed, key, value.shape).numpy() if ".lora_A." in key else adapter[key]
+        np.testing.assert_array_equal(value, want, err_msg=key)
 
     report = subprocess.run(nebula_cmd("privacy-report", str(out)), capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr

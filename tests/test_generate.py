@@ -20,7 +20,7 @@ import torch
 
 from nebula_fl.cli import main
 from nebula_fl.config import PRESETS
-from nebula_fl.storage.run_folder import ADAPTER, CONFIG, MODEL, RunFolder
+from nebula_fl.storage.run_folder import ADAPTER, CONFIG, MODEL, PEFT_ADAPTER, RunFolder
 from nebula_fl.tasks.causal_lm import CausalLMTask
 
 PROMPTS = ("Which topic is this BBC News article about? Answer with one word: business, entertainment, politics, "
@@ -217,4 +217,11 @@ def test_a_federations_folder_generates_like_transformers(causal_lm_secure_feder
     tuned_model = with_adapter(model, out, flat)
     tuned = [reference_ids(tuned_model, tokenizer, p) for p in PROMPTS]
     assert [c["tuned"]["token_ids"] for c in result["completions"]] == tuned
+    # the run folder's PEFT adapter folder, loaded by PEFT's own loader onto a fresh base, generates the same
+    from peft import PeftModel
+
+    config = json.loads((out / PEFT_ADAPTER / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == flat["lora-r"]
+    loaded = PeftModel.from_pretrained(reference_model(out)[0], str(out / PEFT_ADAPTER)).eval()
+    assert [reference_ids(loaded, tokenizer, p) for p in PROMPTS] == tuned
     assert result["rounds_completed"] == 2

@@ -255,6 +255,9 @@ class ServerRun:
             self.folder.save_adapter(evaluator.whole_model(final[1]), name=MODEL)
         elif final is not None:
             self.folder.save_adapter(final[1], name=ADAPTER)
+            if self.folder.save_peft_adapter(lambda folder: evaluator.save_peft(final[1], folder)) is None:
+                log(WARNING, "no PEFT adapter folder: the task's model is not a PeftModel (adapter.safetensors holds "
+                    "the exchanged tensors)")
         if self.strategy.stop_reason:
             self.folder.update_summary(stopped_early=self.strategy.stop_reason)
         self._finish("completed")

@@ -10,6 +10,8 @@ the CPU and then moved, so every side starts from the same bits whatever its dev
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, MetricRecord
@@ -47,6 +49,16 @@ class ServerEvaluator:
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         self.task.load_exchanged(self.model, {k: a.numpy() for k, a in arrays.items()})
         return MetricRecord(self.task.check_result(self.task.evaluate(self.model, self.data, batch_size=self.batch_size)))
+
+    def save_peft(self, arrays: dict[str, np.ndarray], folder: Path) -> bool:
+        """The model with `arrays` set, saved by PEFT (`adapter_config.json`, `adapter_model.safetensors`, every
+        LoRA factor: the frozen, never-sent A too) so that `PeftModel.from_pretrained` and any serving stack that
+        loads PEFT adapters take it; False for a task whose model is not a PeftModel (a plug-in's wrapper)."""
+        if not hasattr(self.model, "peft_config") or not hasattr(self.model, "save_pretrained"):
+            return False
+        self.task.load_exchanged(self.model, arrays)
+        self.model.save_pretrained(str(folder), safe_serialization=True)
+        return True
 
     def whole_model(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Every tensor of the model (its state dict, frozen weights and buffers too) with the exchanged ones set to

@@ -24,7 +24,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 ADAPTER = "adapter.safetensors"
 MODEL = "model.safetensors"  # a task that exchanges every weight (pre-training) ends with the whole model
+PEFT_ADAPTER = "peft-adapter"  # the final adapter as PEFT saves it: what PeftModel.from_pretrained and servers load
 
 
 def plot_name(metric: str) -> str:
@@ -305,6 +306,28 @@ class RunFolder:
         return kept, moved
 
     # -- results ---------------------------------------------------------------------------------
+    def save_peft_adapter(self, write: Callable[[Path], bool]) -> Path | None:
+        """`write(folder)` fills a new folder (PEFT's `save_pretrained`), which then replaces PEFT_ADAPTER whole: a
+        run folder never holds a half-written adapter folder under that name. None if `write` declined."""
+        final = self.path / PEFT_ADAPTER
+        tmp = self.path / f".{PEFT_ADAPTER}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        if not write(tmp):
+            shutil.rmtree(tmp)
+            return None
+        for item in (f for f in tmp.rglob("*") if f.is_file()):
+            with item.open("rb") as handle:
+                os.fsync(handle.fileno())
+        old = self.path / f".{PEFT_ADAPTER}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        fsync_dir(self.path)
+        shutil.rmtree(old, ignore_errors=True)
+        return final
+
     def save_adapter(self, adapter: dict[str, np.ndarray], *, name: str = ADAPTER) -> None:
         """The final global exchanged tensors: the adapter, or (`name` = MODEL) every weight of a full-exchange task."""
         write_durably(self.path / name, save({k: np.ascontiguousarray(v) for k, v in adapter.items()}))
