@@ -281,6 +281,9 @@ class DataConfig(Section):
 LORA_MODES = ("auto", "standard", "frozen-a")
 
 
+MAX_SEQ_LEN = 131_072  # the config's own bound; the model's position limit is checked where it loads
+
+
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig(Section):
     """The base model and the LoRA adapter that is the only thing trained and exchanged."""
@@ -290,7 +293,8 @@ class ModelConfig(Section):
     causal-lm task), or a path to a transformers model folder or a .gguf file (at most 4,095 bytes, names of at
     most 255, no control characters)."""
     max_seq_len: int = 128
-    """Tokens per example; longer texts are truncated; 8 to 512 (BERT's position embeddings)."""
+    """Tokens per example; 8 to the model's own position limit (MiniLM and BERT 512, SmolLM2 8,192), checked when
+    the model loads, at most 131,072. The causal-lm task never cuts an answer: see its records."""
     lora_r: int = 8
     """LoRA rank; 1 to 1,024."""
     lora_alpha: int = 16
@@ -308,7 +312,8 @@ class ModelConfig(Section):
     def __post_init__(self) -> None:
         check_path("model", self.model, fix="name 'minilm' or a transformers model folder")
         require(bool(self.model), "model", "is '' (empty)", "name 'minilm' or a transformers model folder")
-        check_int("max-seq-len", self.max_seq_len, low=8, high=512, fix="use 8 to 512 tokens")
+        check_int("max-seq-len", self.max_seq_len, low=8, high=MAX_SEQ_LEN,
+                  fix=f"use 8 to {MAX_SEQ_LEN:,} tokens, within the model's own position limit")
         check_int("lora-r", self.lora_r, low=1, high=1024, fix="use a rank of 1 or more (at most 1024)")
         check_int("lora-alpha", self.lora_alpha, low=1, high=65_536, fix="use 1 or more (at most 65536)")
         check_real("lora-dropout", self.lora_dropout, low=0, high=1, high_open=True, fix="use a probability in [0, 1)")

@@ -109,8 +109,7 @@ class RunModel:
 
         from nebula_fl.tasks.causal_lm import end_token, pad_token
 
-        text = self.task.format_prompt(self.tokenizer, prompt)
-        ids = list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])  # as training did
+        ids = self.task.prompt_ids(self.tokenizer, prompt)  # as training did
         if not ids:
             raise NebulaError("a --prompt encodes to no tokens; give some text")
         eos = end_token(self.tokenizer)

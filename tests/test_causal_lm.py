@@ -49,9 +49,9 @@ def _ids(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def _records(tok, prompts, answers, *, max_len=32, objective="instruct", exact=16) -> CausalRecords:
+def _records(tok, prompts, answers, *, max_len=32, objective="instruct", exact=16, pack=True) -> CausalRecords:
     return CausalRecords(tok, prompts, answers, max_len=max_len, objective=objective, template="auto",
-                         exact_match_tokens=exact)
+                         exact_match_tokens=exact, pack=pack)
 
 
 # -- records ------------------------------------------------------------------------------------------------
@@ -79,6 +79,68 @@ def test_a_long_prompt_loses_the_end_of_its_input_never_its_instruction_or_answe
     kept = text[len(head):].removesuffix(tok.decode(_ids(tok, "### Response:\n"))).strip()
     assert kept and tok.decode(_ids(tok, body)).startswith(kept)  # a prefix of the input: its end was cut
     assert len(_ids(tok, kept)) < len(_ids(tok, body))
+    assert (recs.report.cut, recs.report.dropped, recs.report.rows) == (1, 0, 1)
+
+
+def test_a_long_answer_is_kept_whole_with_its_end_token_and_a_record_that_cannot_fit_is_dropped_and_counted(tok):
+    """The answer is never cut (before, max-seq-len // 2 of it was kept, without its end token): the input gives way,
+    then the record is dropped, and the report counts both."""
+    instruction, body = "Summarise the article.", " ".join(f"word{i}" for i in range(80))
+    answer = " ".join(f"answer{i}" for i in range(28))  # about 57 tokens: more than half of 96
+    target = [*_ids(tok, answer), SEP]
+    assert 48 < len(target) < 96 - len(_ids(tok, PLAIN_TEMPLATE.format(prompt=instruction)))
+    too_long = " ".join(f"long{i}" for i in range(60))
+    recs = _records(tok, [f"{instruction}\n\n{body}", "Say it.", instruction], [answer, too_long, "short"],
+                    max_len=96)
+    assert recs.ids[0].tolist()[-len(target):] == target and recs.labels[0].tolist()[-len(target):] == target
+    question = _ids(tok, f"### Instruction:\n{instruction}")
+    assert recs.ids[0].tolist()[: len(question)] == question
+    assert len(recs) == 2 and recs.report.to_dict() == {
+        "max_seq_len": 96, "records": 3, "rows": 2, "inputs_cut": 1, "dropped": 1, "text_tokens": 0,
+        "text_tokens_kept": 0, "packed": True}
+    assert "1 dropped: instruction and answer alone exceed max-seq-len" in recs.report.describe()
+
+
+def test_an_instruction_is_never_cut_even_when_it_has_no_input(tok):
+    """A long instruction with no input (its question at its end) is dropped, not cut to fit."""
+    instruction = " ".join(f"context{i}" for i in range(40)) + " What is the topic?"
+    recs = _records(tok, [instruction], ["business"], max_len=32)
+    assert len(recs) == 0 and recs.report.dropped == 1
+
+
+def test_plain_text_is_packed_into_full_rows_and_every_token_is_kept(tok):
+    """Documents, each ended by its end token, are concatenated and cut into rows of max-seq-len: the rows put back
+    together are the documents, token for token (before, each document was cut at max-seq-len and the rest lost)."""
+    docs = [" ".join(f"w{d}x{i}" for i in range(n)) for d, n in enumerate((30, 5, 47, 12))]
+    recs = _records(tok, docs, [""] * 4, max_len=16)
+    stream = [t for doc in docs for t in (*_ids(tok, doc), SEP)]
+    assert [t for row in recs.ids for t in row.tolist()] == stream
+    assert all(len(row) == 16 for row in recs.ids[:-1]) and 0 < len(recs.ids[-1]) <= 16
+    assert all((lab == ids).all() for lab, ids in zip(recs.labels, recs.ids, strict=True))
+    r = recs.report
+    assert r.text_tokens == r.text_tokens_kept == len(stream) and r.rows == math.ceil(len(stream) / 16) and r.packed
+
+
+def test_under_per_example_dp_each_document_is_one_row_and_the_report_says_what_was_cut(tok):
+    docs = [" ".join(f"w{i}" for i in range(40)), "short text"]
+    recs = _records(tok, docs, ["", ""], max_len=16, pack=False)
+    assert len(recs) == 2 and len(recs.ids[0]) == 16
+    assert recs.ids[1].tolist() == [*_ids(tok, "short text"), SEP]
+    r = recs.report
+    assert r.text_tokens == len(_ids(tok, docs[0])) + len(_ids(tok, docs[1])) + 2 > r.text_tokens_kept == 16 + len(
+        recs.ids[1]) and not r.packed
+    assert "one row per document (per-example DP), cut at max-seq-len" in r.describe()
+
+
+def test_bos_is_put_first_where_the_tokenizer_adds_one_and_only_once():
+    from types import SimpleNamespace
+
+    from nebula_fl.tasks.causal_lm import with_bos
+
+    llama = SimpleNamespace(bos_token_id=1, add_bos_token=True)
+    assert with_bos(llama, [5, 6]) == [1, 5, 6] and with_bos(llama, [1, 5]) == [1, 5]  # a template that wrote it
+    assert with_bos(SimpleNamespace(bos_token_id=1, add_bos_token=False), [5]) == [5]
+    assert with_bos(SimpleNamespace(bos_token_id=None, add_bos_token=True), [5]) == [5]
 
 
 def test_plain_text_is_learned_whole_and_pretrain_learns_every_token_of_a_record(tok):
@@ -89,8 +151,8 @@ def test_plain_text_is_learned_whole_and_pretrain_learns_every_token_of_a_record
     pre = _records(tok, ["Name the topic.\n\nshares fell"], ["business"], objective="pretrain")
     unformatted = [*_ids(tok, "Name the topic.\n\nshares fell\n\nbusiness"), SEP]
     assert pre.ids[0].tolist() == unformatted and pre.labels[0].tolist() == unformatted and pre.exact == [False]
-    cut = _records(tok, [" ".join(["word"] * 50)], [""], max_len=12)
-    assert len(cut.ids[0]) == 12  # plain text past max-seq-len keeps its start
+    cut = _records(tok, [" ".join(["word"] * 50)], [""], max_len=12, pack=False)
+    assert len(cut.ids[0]) == 12  # under per-example DP, plain text past max-seq-len keeps its start
 
 
 def test_only_short_answers_count_towards_exact_match(tok):
@@ -109,7 +171,7 @@ def decoder(minilm):
 
 def test_the_pretrain_loss_of_equal_length_records_is_transformers_own_shifted_loss(tok, decoder):
     texts = [" ".join(["alpha beta gamma delta"] * 10), " ".join(["one two three four"] * 10), "x " * 40]
-    recs = _records(tok, texts, ["", "", ""], max_len=16, objective="pretrain")
+    recs = _records(tok, texts, ["", "", ""], max_len=16, objective="pretrain", pack=False)
     assert {len(i) for i in recs.ids} == {16}
     batch = recs.batch([0, 1, 2])
     ours = make_task("causal-lm", SCRATCH).loss(decoder, batch)
@@ -119,7 +181,7 @@ def test_the_pretrain_loss_of_equal_length_records_is_transformers_own_shifted_l
 
 def test_records_of_unequal_length_each_weigh_the_same(tok, decoder):
     recs = _records(tok, ["short one", "a somewhat longer record of plain text here", "mid length text"],
-                    ["", "", ""], objective="pretrain")
+                    ["", "", ""], objective="pretrain", pack=False)
     assert len({len(i) for i in recs.ids}) == 3
     ours = make_task("causal-lm", SCRATCH).loss(decoder, recs.batch([0, 1, 2]))
     each = [decoder(input_ids=torch.from_numpy(i)[None], labels=torch.from_numpy(i)[None]).loss for i in recs.ids]
@@ -436,3 +498,18 @@ def test_the_shipped_smollm2_resolves_to_its_gguf_and_a_file_that_is_not_gguf_is
     with pytest.raises(NebulaError, match=r"is not GGUF .*; pass a .gguf file") as err:
         resolve_model_path(str(fake))
     assert "\n" not in str(err.value)
+
+
+def test_max_seq_len_is_bounded_by_the_models_own_positions(minilm, tiny_model):
+    """The config allows long contexts; the model's position limit is checked where it loads, in one line."""
+    from types import SimpleNamespace
+
+    from nebula_fl.model.loading import build_model, check_positions
+
+    assert ModelConfig(max_seq_len=8192).max_seq_len == 8192  # no longer capped at BERT's 512
+    check_positions(SimpleNamespace(max_position_embeddings=8192), max_seq_len=8192, path="m")
+    with pytest.raises(NebulaError, match=r"max-seq-len is 8,193, but the model in 'm' has 8,192 positions; use 8 to "
+                                          r"8,192$"):
+        check_positions(SimpleNamespace(max_position_embeddings=8192), max_seq_len=8193, path="m")
+    with pytest.raises(NebulaError, match="has 128 positions"):  # the tiny BERT of the tests
+        build_model(ModelConfig(model=str(tiny_model), max_seq_len=129), num_labels=2, seed=0)

@@ -52,6 +52,13 @@ def test_lora_tuning_under_secure_aggregation_client_dp_randk_and_fedadam(causal
     lines = _strict_lines(out)
     assert summary["status"] == "completed" and summary["task"] == "causal-lm" and summary["metric"] == "loss"
     assert [x["round"] for x in lines] == [1, 2] and not summary["skipped_rounds"]
+    # nothing cut silently: at max-seq-len 64 every BBC article (the input) is shortened, no answer is cut and no
+    # record dropped, and the summary and the server's log say so
+    for split in ("train", "held_out"):
+        r = summary["records"][split]
+        assert r["records"] > 0 and r["inputs_cut"] == r["rows"] == r["records"] and r["dropped"] == 0, r
+    said = summary["records"]["train"]["said"]
+    assert f"{summary['records']['train']['records']:,} with their input shortened to fit" in said
     for line in lines:
         assert line["secagg"]["survivors"] == 3 and line["clusters_aggregated"] == 3
         assert line["train_loss"] is None  # masked: the server never saw a cluster's loss

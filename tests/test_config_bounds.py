@@ -45,7 +45,7 @@ BAD: dict[str, list] = {
     "max-examples": [-1, 10**9 + 1, *INT_BAD],
     # model
     "model": ["", "a\x00b", "a\rb", "x" * 4096, "a" * 256, NOT_A_USER, *TEXT_BAD],
-    "max-seq-len": [-1, 0, 7, 513, *INT_BAD],
+    "max-seq-len": [-1, 0, 7, 131_073, *INT_BAD],
     "lora-r": [-1, 0, 1025, *INT_BAD],
     "lora-alpha": [-1, 0, 65_537, *INT_BAD],
     "lora-dropout": [-0.1, 1, 1.0, *FLOAT_BAD],
@@ -99,7 +99,7 @@ EDGES: dict[str, list] = {
     "round-timeout": [1e-3, 604_800], "connect-timeout": [604_800.0], "seed": [0, 2**32 - 1],
     "out-dir": ["", "/tmp/" + "a" * 255, "runs/é x"], "eval-batch-size": [65_536], "dataset": ["a" * 255],
     "partition": ["iid", "dirichlet:1e6", "dirichlet:1e-9"], "test-fraction": [1e-9, 0.999], "max-examples": [10**9],
-    "max-seq-len": [8, 512], "lora-r": [1, 1024], "lora-alpha": [65_536], "lora-dropout": [0, 0.999],
+    "max-seq-len": [8, 131_072], "lora-r": [1, 1024], "lora-alpha": [65_536], "lora-dropout": [0, 0.999],
     "lora-target-modules": ["query", "attention.self.query,dense"],
     "lora-mode": ["standard", "frozen-a"], "local-steps": [1_000_000], "batch-size": [65_536],
     "lr": [1e-12, 10], "weight-decay": [0, 10], "max-grad-norm": [0, 1e6], "lr-min-ratio": [0, 1], "prox-mu": [0, 1e4],

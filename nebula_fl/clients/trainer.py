@@ -342,6 +342,9 @@ class ClusterTrainer:
         self.exchange = Exchange(initial=self.task.exchanged(self.model_core), cluster_id=self.ctx.cluster_id)
         self._build_optimizer(train_cfg, admission)
         self.data = self._rank_examples()
+        if (report := getattr(self.data, "report", None)) is not None and self.ctx.rank == 0:  # the operator's log
+            print(f"trainer {self.ctx.cluster_id}: rank 0's records at max-seq-len {model_cfg.max_seq_len}: "
+                  f"{report.describe()}", flush=True)
         self.setup_key = key
         self.round = None
         self.state_valid = False

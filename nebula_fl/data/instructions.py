@@ -8,14 +8,15 @@ this article about? ... " answered by the topic's name), so a causal LM can be t
 - ``.txt``: plain text, one document per paragraph (blank-line separated); a folder: every ``*.txt`` below it, one
   document each.
 
-A record's text is its prompt, the instruction then its input after a blank line (so cutting a long prompt to fit
-cuts the input's end, never the instruction); its label is the output, '' for plain text.
+A record's text is its prompt, the instruction then its input after the first blank line (so cutting a long prompt
+to fit cuts the input's end, never the instruction); its label is the output, '' for plain text.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +41,10 @@ def view_instruction(name: str, label_names: list[str]) -> str:
 
 
 def prompt_text(instruction: str, input_text: str = "") -> str:
-    """The prompt of an instruction record: the instruction, then its input after a blank line."""
-    instruction, input_text = instruction.strip(), input_text.strip()
+    """The prompt of an instruction record: the instruction, then its input after a blank line. The instruction's
+    own blank lines become single line breaks, so the prompt's first blank line is where its input starts: what a
+    prompt too long to fit may lose the end of (``tasks/causal_lm.fit_prompt``)."""
+    instruction, input_text = re.sub(r"\n\s*\n", "\n", instruction.strip()), input_text.strip()
     return f"{instruction}\n\n{input_text}" if input_text else instruction
 
 

@@ -26,6 +26,23 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, gguf_file=gguf)
 
 
+def model_positions(config) -> int | None:
+    """How many positions a transformers model config allows (None: it does not say, e.g. no absolute limit)."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_positions(config, *, max_seq_len: int, path: Path | str) -> None:
+    """`max-seq-len` within the model's own position limit: past it, the model would index embeddings it lacks."""
+    limit = model_positions(config)
+    if limit is not None and max_seq_len > limit:
+        raise NebulaError(f"max-seq-len is {max_seq_len:,}, but the model in '{path}' has {limit:,} positions; use "
+                          f"8 to {limit:,}")
+
+
 def build_classifier(path: Path, *, num_labels: int, seed: int) -> SequenceClassifier:
     """The base encoder with a fresh (seeded) classification head, every weight trainable."""
     from transformers import AutoModel
@@ -52,6 +69,7 @@ def build_model(cfg: ModelConfig, *, num_labels: int, seed: int, path: Path | No
     """
     path = path or resolve_model_path(cfg.model)
     model = build_classifier(path, num_labels=num_labels, seed=seed)
+    check_positions(model.encoder.config, max_seq_len=cfg.max_seq_len, path=path)
     names = {name.rsplit(".", 1)[-1] for name, _ in model.encoder.named_modules()}
     missing = [m for m in cfg.target_modules() if m not in names]
     if missing:

@@ -206,6 +206,11 @@ class ServerRun:
         log(INFO, "run folder: %s", self.folder.path)
         evaluator = ServerEvaluator(cfg)
         log(INFO, "server evaluation on %s", evaluator.device)
+        if (records := evaluator.records()) is not None:
+            for name, report in records.items():
+                log(INFO, "%s records at max-seq-len %d: %s", name.replace("_", "-"), cfg.model.max_seq_len,
+                    report["said"])
+            self.folder.update_summary(records=records)
         if warning := stale_step_warning(outer=cfg.outer.outer_optimizer, overlap=cfg.train.round_overlap,
                                          secure=cfg.secagg.enabled):
             log(WARNING, "%s", warning)

@@ -27,16 +27,29 @@ class ServerEvaluator:
     def __init__(self, cfg: RunConfig) -> None:
         seed = cfg.federation.seed
         self.task = make_task(cfg.task.name, cfg.task_options)
-        _, test = train_test_split(cfg.data, seed=seed, targets=self.task.targets)
+        self.train, test = train_test_split(cfg.data, seed=seed, targets=self.task.targets)
         self.labels = test.label_names
         self.device = torch.device(server_device(cfg.federation.server_device, visible=visible_gpus()))
         setup = TaskSetup(model=cfg.model, labels=list(self.labels), seed=seed, path=resolve_model_path(cfg.model.model),
                           privacy_mode=cfg.privacy.mode, device=self.device)
+        self.setup = setup
         self.model = self.task.build_model(setup).to(self.device)
         self.data = self.task.examples(setup=setup, tokenizer=self.task.tokenizer(setup), texts=test.texts,
                                        labels=test.labels, train=False)
         self.batch_size = cfg.federation.eval_batch_size
         self.num_test = len(test)
+
+    def records(self) -> dict[str, dict] | None:
+        """What `max-seq-len` made of the records, for a task whose examples count it (causal-lm's
+        ``RecordsReport``): the held-out split's, and the training split's built as the clusters build theirs from
+        the federation's dataset (a cluster with data of its own logs its own). None for other tasks."""
+        held_out = getattr(self.data, "report", None)
+        if held_out is None:
+            return None
+        train = self.task.examples(setup=self.setup, tokenizer=self.task.tokenizer(self.setup), texts=self.train.texts,
+                                   labels=self.train.labels, train=True)
+        return {name: {**report.to_dict(), "said": report.describe()}
+                for name, report in (("train", train.report), ("held_out", held_out))}
 
     def initial_adapter(self) -> dict[str, np.ndarray]:
         """The seeded initial exchanged tensors (for LoRA: A random, B zero; head random) every cluster starts from."""

@@ -11,7 +11,9 @@ Data are 'text' records (``data/instructions.py``): a prompt and its answer, or 
 "instruct"`` the prompt is formatted (the tokenizer's chat template, or a plain "### Instruction / ### Response"
 one) and masked out of the loss, so only the answer and the end-of-sequence token are learned, as FlowerTune
 does; plain-text records are learned whole. Under ``"pretrain"`` every token of every record is learned, unformatted.
-A prompt too long for ``max-seq-len`` loses the end of its input, never its instruction or its answer.
+Nothing is cut silently (``CausalRecords``): a prompt too long for ``max-seq-len`` loses the end of its input,
+never its instruction or its answer, a record that cannot fit even so is dropped, plain text is packed into full
+rows, and each set's ``RecordsReport`` counts what happened.
 
 Evaluation: the held-out loss per learned token and its perplexity, and exact match: the share of records with a
 short answer (at most ``task.exact-match-tokens`` tokens) whose every answer token and the end token are the
@@ -32,6 +34,7 @@ from torch import nn
 
 from nebula_fl.config import ModelConfig, Section, check_int, require
 from nebula_fl.errors import NebulaError
+from nebula_fl.model.loading import check_positions
 from nebula_fl.tasks.base import EXCHANGES, Examples, Task, TaskSetup, check_sizes
 
 if TYPE_CHECKING:
@@ -115,53 +118,130 @@ def _ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
-def fit_prompt(tokenizer, prompt: str, *, template: str, budget: int) -> list[int]:
-    """The formatted prompt's ids in at most `budget` tokens, cut from the end of the raw prompt (its input)."""
-    ids = _ids(tokenizer, format_prompt(tokenizer, prompt, template=template))
-    if len(ids) <= budget:
+def with_bos(tokenizer, ids: list[int]) -> list[int]:
+    """`ids` after the beginning-of-sequence token where the tokenizer adds one (Llama's, Mistral's), unless the
+    text already starts with it (a chat template that writes it)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None or not getattr(tokenizer, "add_bos_token", False) or (ids and ids[0] == bos):
         return ids
-    offsets = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True, verbose=False)["offset_mapping"]
-    keep = len(offsets) - (len(ids) - budget)
-    for _ in range(8):  # re-tokenising after the cut can merge or split a token at the edge
-        if keep <= 0:
-            break
-        cut = prompt[: offsets[keep - 1][1]]
-        ids = _ids(tokenizer, format_prompt(tokenizer, cut, template=template))
-        if len(ids) <= budget:
-            return ids
-        keep -= len(ids) - budget
-    raise NebulaError(f"max-seq-len leaves {budget} tokens for the prompt, fewer than its template alone needs; "
-                      "raise max-seq-len")
+    return [int(bos), *ids]
+
+
+def prompt_ids(tokenizer, prompt: str, *, template: str) -> list[int]:
+    """The formatted prompt as the model reads it before its answer, in training and in generation alike."""
+    return with_bos(tokenizer, _ids(tokenizer, format_prompt(tokenizer, prompt, template=template)))
+
+
+def fit_prompt(tokenizer, prompt: str, *, template: str, budget: int) -> tuple[list[int] | None, bool]:
+    """(the formatted prompt's ids in at most `budget` tokens, whether its input was cut), or (None, False) when
+    even its instruction alone does not fit. A prompt is its instruction, then its input after the first blank
+    line (``data/instructions.prompt_text``): only the input is cut, from its end; never the instruction."""
+    ids = prompt_ids(tokenizer, prompt, template=template)
+    if len(ids) <= budget:
+        return ids, False
+    instruction, sep, text = prompt.partition("\n\n")
+    if sep:
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
+                            verbose=False)["offset_mapping"]
+        keep = len(offsets) - (len(ids) - budget)
+        for _ in range(8):  # re-tokenising after the cut can merge or split a token at the edge
+            if keep <= 0:
+                break
+            ids = prompt_ids(tokenizer, f"{instruction}\n\n{text[: offsets[keep - 1][1]]}", template=template)
+            if len(ids) <= budget:
+                return ids, True
+            keep -= len(ids) - budget
+    ids = prompt_ids(tokenizer, instruction, template=template)
+    return (ids, True) if sep and len(ids) <= budget else (None, False)
+
+
+@dataclass(kw_only=True)
+class RecordsReport:
+    """What became of a set of records at `max-seq-len`: nothing is cut silently."""
+
+    max_len: int
+    records: int = 0
+    """Records given."""
+    rows: int = 0
+    """Rows made: one per instruction record kept, and the full sequences plain text was packed into."""
+    cut: int = 0
+    """Instruction records whose input was shortened to fit (the instruction and the answer whole)."""
+    dropped: int = 0
+    """Instruction records left out: the instruction and the answer alone are longer than `max-seq-len`."""
+    text_tokens: int = 0
+    """Tokens of the plain-text records (each document's with its BOS and EOS)."""
+    text_tokens_kept: int = 0
+    """Of those, the tokens in a row: all when packed; under per-example DP each document is one row, cut."""
+    packed: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_seq_len": self.max_len, "records": self.records, "rows": self.rows, "inputs_cut": self.cut,
+                "dropped": self.dropped, "text_tokens": self.text_tokens, "text_tokens_kept": self.text_tokens_kept,
+                "packed": self.packed}
+
+    def describe(self) -> str:
+        parts = [f"{self.records:,} record(s) -> {self.rows:,} row(s) of at most {self.max_len} tokens"]
+        if self.cut:
+            parts.append(f"{self.cut:,} with their input shortened to fit (instruction and answer whole)")
+        if self.dropped:
+            parts.append(f"{self.dropped:,} dropped: instruction and answer alone exceed max-seq-len")
+        if self.text_tokens:
+            how = "packed" if self.packed else "one row per document (per-example DP), cut at max-seq-len"
+            parts.append(f"plain text {how}: {self.text_tokens_kept:,} of {self.text_tokens:,} tokens kept")
+        return "; ".join(parts)
 
 
 class CausalRecords:
-    """Records as token ids with the positions to learn, padded per batch (right padding, labels -100)."""
+    """Records as token ids with the positions to learn, padded per batch (right padding, labels -100).
+
+    An instruction record is its formatted prompt (masked) and its whole answer with the end token; when they do
+    not fit, the prompt's input is shortened, and a record whose instruction and answer alone do not fit is
+    dropped: counted in `report`, never cut silently. Plain text (and every record under `objective="pretrain"`)
+    is learned whole: each document with BOS (where the tokenizer uses one) and EOS, packed into full rows of
+    `max_len` tokens, none thrown away. Under per-example DP (`pack=False`) a row must be one record, the unit
+    the privacy accounting counts, so each document is one row, cut at `max_len`, and the report says how many
+    tokens that left out."""
 
     def __init__(self, tokenizer, prompts: Sequence[str], answers: Sequence[str], *, max_len: int, objective: str,
-                 template: str, exact_match_tokens: int) -> None:
-        self.pad_id, eos = pad_token(tokenizer), end_token(tokenizer)
+                 template: str, exact_match_tokens: int, pack: bool = True) -> None:
+        self.pad_id, self.eos = pad_token(tokenizer), end_token(tokenizer)
+        eos = self.eos
         self.ids: list[np.ndarray] = []
         self.labels: list[np.ndarray] = []
         self.exact: list[bool] = []  # whether the record counts towards exact match
+        self.report = RecordsReport(max_len=max_len, records=len(prompts), packed=pack)
+        stream: list[int] = []
         for prompt, answer in zip(prompts, answers, strict=True):
             answer = str(answer)
             if objective == "pretrain" or not answer:
                 text = f"{prompt}\n\n{answer}" if answer else prompt
-                ids = ([*_ids(tokenizer, text), eos])[:max_len]
-                labels = list(ids)
-                exact = False
-            else:
-                target = [*_ids(tokenizer, answer), eos]
-                exact = len(target) - 1 <= exact_match_tokens and len(target) <= max_len // 2
-                target = target[: max_len // 2]
-                prompt_ids = fit_prompt(tokenizer, prompt, template=template, budget=max_len - len(target))
-                ids = prompt_ids + target
-                labels = [IGNORE] * len(prompt_ids) + target
-            if len(ids) < 2:
-                ids, labels = [*ids, eos], [*labels, eos]
-            self.ids.append(np.asarray(ids, dtype=np.int64))
-            self.labels.append(np.asarray(labels, dtype=np.int64))
-            self.exact.append(exact)
+                document = [*with_bos(tokenizer, _ids(tokenizer, text)), eos]
+                self.report.text_tokens += len(document)
+                if pack:
+                    stream.extend(document)
+                else:
+                    self._add(document[:max_len], learn_from=0, exact=False)
+                continue
+            target = [*_ids(tokenizer, answer), eos]
+            ids, cut = fit_prompt(tokenizer, prompt, template=template, budget=max_len - len(target))
+            if ids is None:
+                self.report.dropped += 1
+                continue
+            self.report.cut += int(cut)
+            self._add(ids + target, learn_from=len(ids), exact=len(target) - 1 <= exact_match_tokens)
+        for start in range(0, len(stream), max_len):
+            self._add(stream[start : start + max_len], learn_from=0, exact=False)
+        self.report.rows = len(self.ids)
+
+    def _add(self, ids: list[int], *, learn_from: int, exact: bool) -> None:
+        if not learn_from:
+            self.report.text_tokens_kept += len(ids)
+        if len(ids) < 2:  # a row learns from its second token on: one token alone gets the end token after it
+            ids = [*ids, self.eos]
+        labels = [IGNORE] * learn_from + ids[learn_from:]
+        self.ids.append(np.asarray(ids, dtype=np.int64))
+        self.labels.append(np.asarray(labels, dtype=np.int64))
+        self.exact.append(exact)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -280,11 +360,13 @@ class CausalLMTask(Task):
             raise NebulaError(f"the model in '{setup.path}' is a {', '.join(architectures)}, not a causal language "
                               f"model; {fix}")
         try:
-            return AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf, local_files_only=True,
-                                                        dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf, local_files_only=True,
+                                                         dtype=torch.float32)
         except (OSError, ValueError) as err:
             raise NebulaError(f"could not load '{setup.path}' as a causal LM: {str(err).splitlines()[0]}; "
                               f"{fix}") from None
+        check_positions(model.config, max_seq_len=setup.model.max_seq_len, path=setup.path)
+        return model
 
     def _lora(self, model: nn.Module, setup: TaskSetup) -> nn.Module:
         from peft import LoraConfig, TaskType, get_peft_model
@@ -303,9 +385,14 @@ class CausalLMTask(Task):
     # -- data, loss, evaluation ---------------------------------------------------------------------------
     def examples(self, *, setup: TaskSetup, tokenizer, texts: Sequence[str], labels: np.ndarray,
                  train: bool) -> CausalRecords:
-        return CausalRecords(tokenizer, texts, [str(a) for a in labels], max_len=setup.model.max_seq_len,
-                             objective=self.opts.objective, template=self.opts.template,
-                             exact_match_tokens=self.opts.exact_match_tokens)
+        records = CausalRecords(tokenizer, texts, [str(a) for a in labels], max_len=setup.model.max_seq_len,
+                                objective=self.opts.objective, template=self.opts.template,
+                                exact_match_tokens=self.opts.exact_match_tokens,
+                                pack=not (train and setup.privacy_mode == "sample"))
+        if texts and not len(records):
+            raise NebulaError(f"every one of the {len(texts):,} records is longer than max-seq-len "
+                              f"({setup.model.max_seq_len}) with its instruction and answer alone; raise max-seq-len")
+        return records
 
     def private_examples(self, data: Examples) -> PerExample:
         """Records sampled by index, in chunks of similar lengths. ``loss`` weighs every record the same, as
@@ -320,6 +407,10 @@ class CausalLMTask(Task):
         if self.opts.objective == "pretrain":
             return prompt
         return format_prompt(tokenizer, prompt, template=self.opts.template)
+
+    def prompt_ids(self, tokenizer, prompt: str) -> list[int]:
+        """`format_prompt`'s text as token ids, with BOS where training puts one (for generation)."""
+        return with_bos(tokenizer, _ids(tokenizer, self.format_prompt(tokenizer, prompt)))
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The mean over the batch's records of each record's mean learned-token loss (every record weighs the
