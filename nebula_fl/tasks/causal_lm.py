@@ -342,26 +342,23 @@ class CausalLMTask(Task):
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
-        from nebula_fl.model.locate import gguf_file
+        from nebula_fl.model.gguf_cache import model_folder
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        folder, gguf = gguf_file(setup.path)
         fix = "pass model=smollm2, a causal LM's folder or .gguf file, or set task.init=scratch"
-        architectures: list[str] = []
-        if gguf is None:  # a folder's config.json says what it is; a GGUF's metadata is read with its weights
-            try:
-                config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-            except (OSError, ValueError) as err:
-                raise NebulaError(f"could not read the model config in '{setup.path}': {str(err).splitlines()[0]}; "
-                                  f"{fix}") from None
-            architectures = getattr(config, "architectures", None) or []
+        try:
+            folder = model_folder(setup.path)  # a GGUF file: its dequantised folder, made once per host
+            config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise NebulaError(f"could not read the model in '{setup.path}': {str(err).splitlines()[0]}; "
+                              f"{fix}") from None
+        architectures = getattr(config, "architectures", None) or []
         if architectures and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
             raise NebulaError(f"the model in '{setup.path}' is a {', '.join(architectures)}, not a causal language "
                               f"model; {fix}")
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf, local_files_only=True,
-                                                         dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
         except (OSError, ValueError) as err:
             raise NebulaError(f"could not load '{setup.path}' as a causal LM: {str(err).splitlines()[0]}; "
                               f"{fix}") from None
