@@ -179,18 +179,23 @@ def test_the_pretrain_loss_of_equal_length_records_is_transformers_own_shifted_l
     torch.testing.assert_close(ours, hf, rtol=1e-6, atol=1e-6)
 
 
-def test_records_of_unequal_length_each_weigh_the_same(tok, decoder):
+def test_the_training_loss_is_the_token_mean_and_per_example_dps_weighs_every_record_the_same(tok, decoder):
+    """`loss` (training without per-example DP) is transformers' own loss of a right-padded batch: the mean over
+    its learned tokens; `record_loss` (Opacus's contract) the mean of each record's own mean."""
     recs = _records(tok, ["short one", "a somewhat longer record of plain text here", "mid length text"],
                     ["", "", ""], objective="pretrain", pack=False)
     assert len({len(i) for i in recs.ids}) == 3
-    ours = make_task("causal-lm", SCRATCH).loss(decoder, recs.batch([0, 1, 2]))
+    task, batch = make_task("causal-lm", SCRATCH), recs.batch([0, 1, 2])
+    hf = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+    torch.testing.assert_close(task.loss(decoder, batch), hf, rtol=1e-5, atol=1e-6)
     each = [decoder(input_ids=torch.from_numpy(i)[None], labels=torch.from_numpy(i)[None]).loss for i in recs.ids]
-    torch.testing.assert_close(ours, torch.stack(each).mean(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(task.record_loss(decoder, batch), torch.stack(each).mean(), rtol=1e-5, atol=1e-6)
+    assert not torch.isclose(task.loss(decoder, batch), task.record_loss(decoder, batch))  # the two differ here
 
 
 def test_keeping_only_the_answer_columns_gives_the_full_logits_loss_and_gradients(tok, decoder):
     """Instruction records project only the columns that predict an answer token; the reference projects every
-    column, shifts by hand and averages each record's answer tokens."""
+    column, shifts by hand and averages the batch's answer tokens."""
     recs = _records(tok, ["Name the topic.\n\nshares fell sharply on the news", "Say hi."],
                     ["business news", "hi"])
     batch = recs.batch([0, 1])
@@ -205,7 +210,7 @@ def test_keeping_only_the_answer_columns_gives_the_full_logits_loss_and_gradient
     logits = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")
     mask = (targets != IGNORE).float()
-    reference = ((ce * mask).sum(1) / mask.sum(1)).mean()
+    reference = (ce * mask).sum() / mask.sum()
     reference.backward()
     torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
     for name, param in decoder.named_parameters():
@@ -253,8 +258,10 @@ def test_exact_match_is_whether_greedy_generation_reproduces_the_answer_and_stop
     for batch_size in (2, 5):
         result = task.evaluate(model, recs, batch_size=batch_size)
         assert result["exact-match"] == pytest.approx(sum(greedy) / len(greedy))
+        assert result["exact-match-records"] == len(PROMPTS)
     long = _records(tok, PROMPTS[:2], ["sport", "sport " * 20], exact=4)  # the long one does not count
-    assert task.evaluate(model, long, batch_size=2)["exact-match"] == 1.0
+    result = task.evaluate(model, long, batch_size=2)
+    assert result["exact-match"] == 1.0 and result["exact-match-records"] == 1
 
 
 def test_the_held_out_loss_is_per_token_and_perplexity_its_exponential(tok, trained):

@@ -58,7 +58,7 @@ def test_without_noise_or_clipping_a_dp_step_is_a_plain_adamw_step(tiny_model, p
     plain_model = parts(tiny_model)[1]
     params = [p for p in plain_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-2)
-    loss = task.loss(plain_model, records.batch(np.arange(len(records))))
+    loss = task.record_loss(plain_model, records.batch(np.arange(len(records))))
     loss.backward()
     optimizer.step()
     plain = trainable(plain_model)
@@ -84,7 +84,7 @@ def test_a_clipped_step_is_the_mean_of_each_records_gradient_clipped_on_its_own(
     norms = []
     for i in range(len(records)):
         model.zero_grad()
-        task.loss(model, records.batch([i])).backward()
+        task.record_loss(model, records.batch([i])).backward()
         norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params.values()))
         norms.append(norm)
         for k, p in params.items():

@@ -292,7 +292,7 @@ class CausalLMTask(Task):
     name = "causal-lm"
     exchange = "adapter"
     targets = "text"
-    metrics = ("loss", "perplexity", "exact-match", "tokens")
+    metrics = ("loss", "perplexity", "exact-match", "exact-match-records", "tokens")
     metric = "loss"
     higher_is_better = False
     privacy_modes = ("off", "sample", "client")
@@ -397,7 +397,8 @@ class CausalLMTask(Task):
         from nebula_fl.privacy.sample_dp import indexed
 
         records: CausalRecords = data  # type: ignore[assignment]
-        return indexed(records, loss=self.loss, lengths=np.array([len(x) for x in records.ids], dtype=np.int64))
+        return indexed(records, loss=self.record_loss,
+                       lengths=np.array([len(x) for x in records.ids], dtype=np.int64))
 
     def format_prompt(self, tokenizer, prompt: str) -> str:
         """What the model is fed before it answers `prompt`, as in training (for generation)."""
@@ -410,6 +411,15 @@ class CausalLMTask(Task):
         return with_bos(tokenizer, _ids(tokenizer, self.format_prompt(tokenizer, prompt)))
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The mean loss over the batch's learned tokens (TRL's and transformers' convention: a long answer counts
+        for its tokens), as the held-out loss is measured. Per-example DP uses ``record_loss`` instead."""
+        logits, targets = shifted_logits(model, batch)
+        summed, counts = example_losses(logits, targets)
+        if not bool((counts > 0).any()):
+            return logits.sum() * 0.0
+        return summed.sum() / counts.sum()
+
+    def record_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The mean over the batch's records of each record's mean learned-token loss (every record weighs the
         same, however long its answer: one example, one unit, as per-example DP counts it)."""
         logits, targets = shifted_logits(model, batch)
@@ -422,7 +432,7 @@ class CausalLMTask(Task):
     @torch.no_grad()
     def evaluate(self, model: nn.Module, data: Examples, *, batch_size: int) -> dict[str, float]:
         """Loss per learned token over the whole set, its perplexity, exact match over the short answers (NaN when
-        the set has none, e.g. plain text) and how many tokens were scored."""
+        the set has none, e.g. plain text), how many records exact match covers and how many tokens were scored."""
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
@@ -445,7 +455,8 @@ class CausalLMTask(Task):
             raise ValueError("the held-out records have no token to learn; use longer texts or more of them")
         loss = total / tokens
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
-                "exact-match": hits / answers if answers else float("nan"), "tokens": float(tokens)}
+                "exact-match": hits / answers if answers else float("nan"), "exact-match-records": float(answers),
+                "tokens": float(tokens)}
 
 
 def lora_targets(model: nn.Module, cfg: ModelConfig) -> list[str]:
