@@ -29,12 +29,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from nebula_fl.errors import NebulaError
+
 
 def wrap(model: nn.Module, *, parallel: str, device: torch.device, world: int) -> nn.Module:
     """The model the ranks train: sharded in place (FSDP2: `model` itself becomes the sharded module), DDP, or
     itself for one ddp worker. One fsdp worker still shards, over a mesh of one: nothing is saved, but the code
     path is the one a bigger cluster runs (a one-GPU check of a model before it goes to a multi-GPU cluster)."""
     if parallel == "fsdp":
+        if getattr(model, "is_quantized", False):  # (a PeftModel answers for the model it wraps)
+            raise NebulaError("a quantised base (task.base-dtype nf4 or int8) cannot be sharded by FSDP here; run "
+                              "--parallel ddp, or shard an fp32 or bf16 base")
         return shard(model, device=device)
     if world <= 1:
         return model

@@ -24,6 +24,7 @@ stops (each greedy step sees the same prefix as long as every earlier one matche
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nebula_fl.config import ModelConfig, Section, check_int, require
+from nebula_fl.config import ModelConfig, Section, check_bool, check_int, require
 from nebula_fl.errors import NebulaError
 from nebula_fl.model.loading import check_positions
 from nebula_fl.tasks.base import EXCHANGES, Examples, Task, TaskSetup, check_sizes
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     from nebula_fl.privacy.sample_dp import PerExample
 
 INITS = ("pretrained", "scratch")
+BASE_DTYPES = ("fp32", "bf16", "nf4", "int8")
+QUANTISED = ("nf4", "int8")  # bitsandbytes' 4-bit NormalFloat (QLoRA) and 8-bit bases
 OBJECTIVES = ("instruct", "pretrain")
 TEMPLATES = ("auto", "chat", "plain")
 PLAIN_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
@@ -72,6 +75,13 @@ class CausalLMOptions(Section):
     """Feed-forward width of a 'scratch' model; 8 to 16,384."""
     exact_match_tokens: int = 16
     """Answers of at most this many tokens count towards exact match; 1 to 256."""
+    base_dtype: str = "fp32"
+    """The base's weights: 'fp32'; 'bf16' (half the memory); 'nf4' or 'int8' (a frozen 4-bit NormalFloat or 8-bit
+    base through bitsandbytes, QLoRA; a pretrained model only). LoRA and what crosses the WAN stay fp32. Other than
+    'fp32': the adapter only (not task.exchange=full), and not under per-example DP."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass: much less memory for long sequences, for about a
+    third more compute."""
 
     def __post_init__(self) -> None:
         for key, value, allowed in (("init", self.init, INITS), ("exchange", self.exchange, EXCHANGES),
@@ -82,6 +92,14 @@ class CausalLMOptions(Section):
         require((self.hidden // self.heads) % 2 == 0, "task.hidden", f"/ task.heads is {self.hidden // self.heads}, "
                  "odd", "make the head size (hidden / heads) even: rotary embeddings rotate pairs")
         check_int("task.exact-match-tokens", self.exact_match_tokens, low=1, high=256, fix="use 1 to 256 tokens")
+        require(isinstance(self.base_dtype, str) and self.base_dtype in BASE_DTYPES, "task.base-dtype",
+                f"is {self.base_dtype!r}", f"use one of {', '.join(BASE_DTYPES)}")
+        require(self.base_dtype == "fp32" or self.exchange == "adapter", "task.base-dtype",
+                f"is {self.base_dtype!r} with task.exchange='full'", "keep fp32 weights when every weight trains "
+                "(--precision bf16 computes in bf16 all the same)")
+        require(self.base_dtype not in QUANTISED or self.init == "pretrained", "task.base-dtype",
+                f"is {self.base_dtype!r} with task.init='scratch'", "quantise a pretrained model, or use fp32 or bf16")
+        check_bool("task.gradient-checkpointing", self.gradient_checkpointing)
 
 
 # -- prompts ----------------------------------------------------------------------------------------------
@@ -320,13 +338,19 @@ class CausalLMTask(Task):
 
     # -- the model ----------------------------------------------------------------------------------------
     def build_model(self, setup: TaskSetup) -> nn.Module:
+        if self.opts.base_dtype != "fp32" and setup.privacy_mode == "sample":
+            raise NebulaError(f"task.base-dtype is {self.opts.base_dtype!r}, but per-example DP (privacy.mode "
+                              "'sample') computes each record's gradient through an fp32 base; use fp32")
         with torch.random.fork_rng(devices=[]):  # seeded construction, the caller's RNG stream left as it was
             torch.manual_seed(setup.seed)
             model = self._scratch(setup) if self.opts.init == "scratch" else self._pretrained(setup)
+            if self.opts.gradient_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if self.exchange == "full":
                 return model.to(setup.device)
             model = self._lora(model, setup)
-        return model.to(setup.device)
+        # a quantised base was loaded onto its device: bitsandbytes' weights cannot be moved after
+        return model if self.opts.base_dtype in QUANTISED else model.to(setup.device)
 
     def _scratch(self, setup: TaskSetup) -> nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -336,7 +360,10 @@ class CausalLMTask(Task):
                              num_attention_heads=o.heads, num_key_value_heads=o.heads, intermediate_size=o.intermediate,
                              max_position_embeddings=max(setup.model.max_seq_len, 8), tie_word_embeddings=True,
                              pad_token_id=pad_token(tokenizer), eos_token_id=end_token(tokenizer), bos_token_id=None)
-        return LlamaForCausalLM(config)
+        return LlamaForCausalLM(config).to(self._dtype())
+
+    def _dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.opts.base_dtype == "bf16" else torch.float32
 
     def _pretrained(self, setup: TaskSetup) -> nn.Module:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -358,17 +385,50 @@ class CausalLMTask(Task):
             raise NebulaError(f"the model in '{setup.path}' is a {', '.join(architectures)}, not a causal language "
                               f"model; {fix}")
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=self._dtype(),
+                                                         **self._quantised(setup))
         except (OSError, ValueError) as err:
             raise NebulaError(f"could not load '{setup.path}' as a causal LM: {str(err).splitlines()[0]}; "
                               f"{fix}") from None
         check_positions(model.config, max_seq_len=setup.model.max_seq_len, path=setup.path)
         return model
 
+    def _quantised(self, setup: TaskSetup) -> dict[str, Any]:
+        """transformers' arguments for a bitsandbytes base (none for fp32 or bf16), or a one-line refusal."""
+        if self.opts.base_dtype not in QUANTISED:
+            return {}
+        # bitsandbytes looks for faster kernels on the Hugging Face Hub at import unless offline: nebula-fl never
+        # downloads at run time (its own CPU and CUDA code is used instead)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise NebulaError(f"task.base-dtype is {self.opts.base_dtype!r}, which needs bitsandbytes, not installed "
+                              "on this host: pip install 'bitsandbytes>=0.50' on every host that loads the model "
+                              "(the ServerApp's and each cluster's), or use fp32 or bf16") from None
+        from transformers import BitsAndBytesConfig
+
+        compute = torch.bfloat16 if setup.device.type == "cuda" else torch.float32
+        quant = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
+                 if self.opts.base_dtype == "nf4" else BitsAndBytesConfig(load_in_8bit=True))
+        return {"quantization_config": quant, "device_map": {"": str(setup.device)}}
+
     def _lora(self, model: nn.Module, setup: TaskSetup) -> nn.Module:
-        from peft import LoraConfig, TaskType, get_peft_model
+        from peft import LoraConfig, TaskType, get_peft_model, prepare_model_for_kbit_training
 
         from nebula_fl.model.frozen_a import freeze_shared_a, lora_mode
+
+        if self.opts.base_dtype in QUANTISED:  # norms in fp32, inputs that carry gradients (PEFT's QLoRA recipe)
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=self.opts.gradient_checkpointing,
+                                                    gradient_checkpointing_kwargs={"use_reentrant": False})
+            for module in model.modules():
+                # bitsandbytes 0.50 repacks a 4-bit weight for fast CPU inference at the first forward in eval mode
+                # without gradients, for good, and a later training step through it gets no gradient: evaluation
+                # would silently end training. Inference keeps bitsandbytes' other CPU path.
+                if hasattr(module, "support_avx512bf16_for_cpu"):
+                    module.support_avx512bf16_for_cpu = False
+        elif self.opts.gradient_checkpointing:
+            model.enable_input_require_grads()  # a frozen embedding's output must carry gradients to the LoRA layers
 
         targets = lora_targets(model, setup.model)
         lora = LoraConfig(task_type=TaskType.CAUSAL_LM, r=setup.model.lora_r, lora_alpha=setup.model.lora_alpha,
