@@ -112,3 +112,13 @@ def test_what_cannot_work_is_refused_in_one_line(decoder):
     _, nf4 = build(decoder, **{"task.base-dtype": "nf4"})
     with pytest.raises(NebulaError, match="cannot be sharded by FSDP here; run --parallel ddp"):
         wrap(nf4, parallel="fsdp", device=torch.device("cpu"), world=1)
+
+
+def test_an_8bit_base_is_bitsandbytes_int8_and_its_lora_trains(decoder):
+    import bitsandbytes as bnb
+
+    _, int8 = build(decoder, **{"task.base-dtype": "int8"})
+    v = int8.base_model.model.model.layers[1].self_attn.v_proj.base_layer
+    assert isinstance(v, bnb.nn.Linear8bitLt) and v.weight.dtype == torch.int8 and not v.weight.requires_grad
+    losses = train(int8)
+    assert losses[-1] < losses[0] and np.isfinite(losses).all()
