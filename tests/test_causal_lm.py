@@ -330,12 +330,48 @@ def test_jsonl_csv_txt_and_folders_are_read_as_prompts_and_answers(tmp_path):
     assert data.texts == ["another", "one document\n\nwith two paragraphs"] and data.labels.tolist() == ["", ""]
 
 
+def test_the_formats_people_have_are_read_and_their_extra_fields_ignored(tmp_path):
+    """Alpaca's JSON array, FlowerTune's export (a rendered 'text' beside the fields), prompt/completion, Dolly,
+    OpenAI messages and ShareGPT conversations (one exchange, a system turn first), and fields such as 'id'."""
+    (tmp_path / "alpaca.json").write_text(json.dumps([
+        {"instruction": "Add.", "input": "2 and 3", "output": "5", "id": 1},
+        {"instruction": "Greet.", "input": "", "output": "hello", "text": "### Instruction: Greet. ### Response: hello"},
+    ]))
+    data = _load(tmp_path / "alpaca.json")
+    assert data.texts == ["Add.\n\n2 and 3", "Greet."] and data.labels.tolist() == ["5", "hello"]
+    rows = [
+        {"prompt": "Capital of France?", "completion": "Paris"},
+        {"instruction": "Summarise.", "context": "A long story.", "response": "Short.", "category": "summarization"},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+                      {"role": "assistant", "content": "Hello."}]},
+        {"conversations": [{"from": "human", "value": "Two plus two?"}, {"from": "gpt", "value": "Four."}]},
+        {"instruction": "A first paragraph.\n\nA second one, still the instruction.", "output": "ok"},
+        {"text": "plain words", "source": "web"},
+    ]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = _load(tmp_path / "mixed.jsonl")
+    assert data.texts == ["Capital of France?", "Summarise.\n\nA long story.", "Be brief.\nHi?", "Two plus two?",
+                          "A first paragraph.\nA second one, still the instruction.", "plain words"]
+    assert data.labels.tolist() == ["Paris", "Short.", "Hello.", "Four.", "ok", ""]
+    (tmp_path / "pc.csv").write_text("prompt,completion,id\n\"Capital?\",Paris,7\n")
+    assert _load(tmp_path / "pc.csv").texts == ["Capital?"]
+
+
 @pytest.mark.parametrize(("name", "content", "where", "fix"), [
     ("a.jsonl", '{"instruction": "x", "output": "y"}\n{"instruction": "x",\n', "line 2 is not JSON", "one JSON object"),
-    ("a.jsonl", '["x", "y"]\n', "line 1 is a list, not an object", "one object per line"),
-    ("a.jsonl", '{"prompt": "x", "output": "y"}\n', "line 1 has field(s) 'prompt'", "use instruction, input and"),
+    ("a.jsonl", '["x", "y"]\n', "line 1 is a list, not an object", "one object per record"),
+    ("a.jsonl", '{"prompt": "x", "output": "y"}\n', "line 1 has no 'completion'", "needs both"),
+    ("a.jsonl", '{"id": 3, "label": "y"}\n', "line 1 has none of the fields read ('id', 'label')",
+     "use instruction/input/output, prompt/completion, messages, conversations or text"),
     ("a.jsonl", '{"instruction": "x", "output": 5}\n', "line 1: 'output' is int, not a string", "quote it"),
-    ("a.jsonl", '{"text": "x", "output": "y"}\n', "line 1 has both 'text' and instruction", "one or the other"),
+    ("a.jsonl", '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, '
+                '{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}\n',
+     "line 1: 'messages' has 4 turn(s) after the system turn (2 by the assistant)", "multi-turn conversations are "
+     "not supported yet: split them into one record per answer"),
+    ("a.jsonl", '{"conversations": [{"from": "robot", "value": "a"}]}\n', "line 1: turn 1 of 'conversations' needs "
+     "'from' (system, user or assistant)", "a string 'value'"),
+    ("a.json", '[{"instruction": "x", "output": "y"}, 5]', "item 2 is a int, not an object", "one object per record"),
+    ("a.json", '[{"instruction": "x", "output": "y"}', "is not a JSON array", "an array of objects"),
     ("a.jsonl", '{"instruction": "x"}\n', "line 1 has no 'output'", "plain text goes in 'text'"),
     ("a.jsonl", '{"input": "x", "output": "y"}\n', "line 1 has no 'instruction'", "need"),
     ("a.jsonl", "\n\n", "holds no record", "one JSON object per line"),

@@ -3,8 +3,10 @@
 Read from a user's file, or made from a shipped classification corpus as an *instruction view* ("Which topic is
 this article about? ... " answered by the topic's name), so a causal LM can be tuned offline out of the box.
 
-- JSONL (``.jsonl``/``.json``, one object per line) or CSV: instruction records with ``instruction``, an optional
-  ``input`` and ``output`` (Alpaca's and FlowerTune's fields), or plain text in a ``text`` field; a file may mix both.
+- JSONL (``.jsonl``/``.json``, one object per line), a JSON array (Alpaca's own ``.json``) or CSV: instruction
+  records with ``instruction``, an optional ``input`` and ``output`` (Alpaca's and FlowerTune's fields; Dolly's
+  ``context``/``response``), ``prompt``/``completion``, a one-exchange conversation (OpenAI ``messages``, ShareGPT
+  ``conversations``), or plain text in a ``text`` field; a file may mix them; other fields are ignored.
 - ``.txt``: plain text, one document per paragraph (blank-line separated); a folder: every ``*.txt`` below it, one
   document each.
 
@@ -23,8 +25,6 @@ import numpy as np
 
 from nebula_fl.data.corpus import SHIPPED, TextDataset, load_labelled, resolve_dataset_path
 from nebula_fl.errors import NebulaError
-
-FIELDS = ("instruction", "input", "output", "text")
 
 # The question each shipped corpus is asked; {choices} lists its label names exactly as the answers spell them
 # (bbcnews says 'sports': a question offering 'sport' would teach the model to contradict its own prompt).
@@ -91,45 +91,101 @@ def _document(path: Path) -> str:
 
 
 def _record(where: str, row: dict) -> tuple[str, str] | None:
-    """(prompt, answer) of one record, None for a blank one, or a NebulaError naming the record and the fix."""
-    unknown = [k for k in row if k not in FIELDS]
-    if unknown:
-        raise NebulaError(f"{where} has field(s) {', '.join(map(repr, unknown))}; use instruction, input and "
-                          "output (an instruction record) or text (plain text)")
-    for key, value in row.items():
-        if value is not None and not isinstance(value, str):
+    """(prompt, answer) of one record, None for a blank one, or a NebulaError naming the record and the fix.
+
+    Read, by its fields: a conversation (OpenAI's `messages` of role/content, ShareGPT's `conversations` of
+    from/value) of one user turn and its answer, with an optional system turn first; `prompt`/`completion`;
+    Dolly's `instruction`/`context`/`response`; Alpaca's and FlowerTune's `instruction`/`input`/`output` (a `text`
+    beside them, FlowerTune's rendering of the same record, is ignored); or plain `text`. Other fields (`id`,
+    `category`, ...) are ignored."""
+    for key in ("messages", "conversations"):
+        if key in row:
+            return _conversation(where, key, row[key])
+    fields = {"instruction": ("instruction",), "input": ("input", "context"), "output": ("output", "response"),
+              "prompt": ("prompt",), "completion": ("completion",), "text": ("text",)}
+    get = {}
+    for name, keys in fields.items():
+        value = next((row[k] for k in keys if row.get(k) not in (None, "")), "")
+        if not isinstance(value, str):
+            key = next(k for k in keys if row.get(k) not in (None, ""))
             raise NebulaError(f"{where}: '{key}' is {type(value).__name__}, not a string; quote it")
-    get = {k: (row.get(k) or "").strip() for k in FIELDS}
+        get[name] = value.strip()
+    if get["prompt"] or get["completion"]:
+        if not get["prompt"] or not get["completion"]:
+            missing = "prompt" if not get["prompt"] else "completion"
+            raise NebulaError(f"{where} has no '{missing}'; a prompt/completion record needs both")
+        return prompt_text(get["prompt"]), get["completion"]
+    if get["instruction"] or get["output"] or get["input"]:
+        if not get["instruction"] or not get["output"]:
+            missing = "instruction" if not get["instruction"] else "output"
+            raise NebulaError(f"{where} has no '{missing}'; an instruction record needs instruction and output "
+                              "(input is optional), plain text goes in 'text'")
+        return prompt_text(get["instruction"], get["input"]), get["output"]
     if get["text"]:
-        if get["instruction"] or get["output"] or get["input"]:
-            raise NebulaError(f"{where} has both 'text' and instruction fields; make it one or the other")
         return get["text"], ""
-    if not (get["instruction"] or get["input"] or get["output"]):
-        return None
-    if not get["instruction"] or not get["output"]:
-        missing = "instruction" if not get["instruction"] else "output"
-        raise NebulaError(f"{where} has no '{missing}'; an instruction record needs instruction and output "
-                          "(input is optional), plain text goes in 'text'")
-    return prompt_text(get["instruction"], get["input"]), get["output"]
+    if any(value not in (None, "") for value in row.values()):
+        raise NebulaError(f"{where} has none of the fields read ({', '.join(map(repr, sorted(row)))}); use "
+                          "instruction/input/output, prompt/completion, messages, conversations or text")
+    return None
+
+
+ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
+
+
+def _conversation(where: str, key: str, turns) -> tuple[str, str]:
+    """A one-exchange conversation as (prompt, answer): the system turn, if any, leads the instruction."""
+    role_key, text_key = ("role", "content") if key == "messages" else ("from", "value")
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        raise NebulaError(f"{where}: '{key}' is not a list of turns; write [{{\"{role_key}\": ..., \"{text_key}\": "
+                          "...}, ...]")
+    said = []
+    for number, turn in enumerate(turns, start=1):
+        role, text = ROLES.get(str(turn.get(role_key, "")).lower()), turn.get(text_key)
+        if role is None or not isinstance(text, str):
+            raise NebulaError(f"{where}: turn {number} of '{key}' needs '{role_key}' (system, user or assistant) and "
+                              f"a string '{text_key}'")
+        said.append((role, text.strip()))
+    system = [t for r, t in said[:1] if r == "system"]
+    rest = said[len(system):]
+    if len(rest) != 2 or [r for r, _ in rest] != ["user", "assistant"]:
+        answers = sum(r == "assistant" for r, _ in rest)
+        raise NebulaError(f"{where}: '{key}' has {len(rest)} turn(s) after the system turn ({answers} by the "
+                          "assistant); one user turn and its answer are read, multi-turn conversations are not "
+                          "supported yet: split them into one record per answer")
+    (_, question), (_, answer) = rest
+    if not question or not answer:
+        raise NebulaError(f"{where}: '{key}' has an empty user or assistant turn")
+    return prompt_text("\n".join([*system, question])), answer
 
 
 def _jsonl(path: Path) -> list[tuple[str, str]]:
-    rows = []
-    with path.open(encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, start=1):
+    """JSON Lines, or one JSON array of objects (Alpaca's own files) in a .json file."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as err:
+            raise NebulaError(f"'{path}' is not a JSON array ({err.msg} at line {err.lineno}); write an array of "
+                              "objects, or one JSON object per line") from None
+        numbered = [(f"'{path}' item {i}", row) for i, row in enumerate(items, start=1)]
+    else:
+        numbered = []
+        for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                numbered.append((f"'{path}' line {number}", json.loads(line)))
             except ValueError as err:
                 raise NebulaError(f"'{path}' line {number} is not JSON ({err.msg}); write one JSON object per "
                                   "line") from None
-            if not isinstance(row, dict):
-                raise NebulaError(f"'{path}' line {number} is a {type(row).__name__}, not an object; write one "
-                                  'object per line, e.g. {"instruction": ..., "output": ...}')
-            record = _record(f"'{path}' line {number}", row)
-            if record is not None:
-                rows.append(record)
+    rows = []
+    for where, row in numbered:
+        if not isinstance(row, dict):
+            raise NebulaError(f"{where} is a {type(row).__name__}, not an object; write one object per record, "
+                              'e.g. {"instruction": ..., "output": ...}')
+        record = _record(where, row)
+        if record is not None:
+            rows.append(record)
     if not rows:
         raise NebulaError(f"'{path}' holds no record; write one JSON object per line")
     return rows
@@ -138,14 +194,15 @@ def _jsonl(path: Path) -> list[tuple[str, str]]:
 def _csv(path: Path) -> list[tuple[str, str]]:
     with path.open(encoding="utf-8", errors="replace", newline="") as handle:
         reader = csv.DictReader(handle)
-        columns = reader.fieldnames or []
-        if "text" not in columns and not {"instruction", "output"} <= set(columns):
-            raise NebulaError(f"CSV '{path}' needs 'instruction' and 'output' columns (and optionally 'input'), or "
-                              f"a 'text' column; it has {', '.join(columns) or 'none'}")
+        columns = set(reader.fieldnames or [])
+        if not ("text" in columns or {"instruction", "output"} <= columns or {"prompt", "completion"} <= columns
+                or {"instruction", "response"} <= columns):
+            raise NebulaError(f"CSV '{path}' needs 'instruction' and 'output' columns (and optionally 'input'), "
+                              f"'prompt' and 'completion', or a 'text' column; it has "
+                              f"{', '.join(reader.fieldnames or []) or 'none'}")
         rows = []
         for number, row in enumerate(reader, start=2):
-            kept = {k: v for k, v in row.items() if k in FIELDS}
-            record = _record(f"CSV '{path}' row {number}", kept)
+            record = _record(f"CSV '{path}' row {number}", {k: v for k, v in row.items() if k is not None})
             if record is not None:
                 rows.append(record)
     if not rows:
