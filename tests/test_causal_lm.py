@@ -500,6 +500,10 @@ def test_lora_goes_where_peft_puts_it_for_llama_unless_told_otherwise(minilm):
     assert "\n" not in str(err.value)
     with pytest.raises(NebulaError, match="names query, which"):  # BERT's name, but not the default: refused
         lora_targets(base, ModelConfig(lora_target_modules="query"))
+    base.config.model_type = "unheard-of"  # an architecture missing from PEFT's table: the error names what to set,
+    with pytest.raises(NebulaError, match=r"lora-target-modules is not set and PEFT has no default for this "
+                                          r"unheard-of; .*'all-linear'$"):  # not the BERT default the user never set
+        lora_targets(base, ModelConfig())
 
 
 def test_init_pretrained_refuses_an_encoder_in_one_line(tiny_model):

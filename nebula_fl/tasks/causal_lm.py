@@ -530,8 +530,12 @@ def lora_targets(model: nn.Module, cfg: ModelConfig) -> list[str]:
         return wanted
     missing = [m for m in wanted if m not in names]
     model_type = getattr(getattr(model, "config", None), "model_type", "")
-    if missing and cfg.lora_target_modules == ModelConfig().lora_target_modules and model_type in DEFAULTS:
-        return list(DEFAULTS[model_type])
+    if missing and cfg.lora_target_modules == ModelConfig().lora_target_modules:  # the user named none
+        if model_type in DEFAULTS:
+            return list(DEFAULTS[model_type])
+        raise NebulaError(f"lora-target-modules is not set and PEFT has no default for this "
+                          f"{model_type or 'model'}; set it to some of its linear layers (e.g. q_proj,v_proj) or "
+                          "'all-linear'")
     if missing:
         raise NebulaError(f"lora-target-modules names {', '.join(missing)}, which this {model_type or 'model'} does "
                           f"not have; name some of its linear layers (e.g. q_proj,v_proj) or 'all-linear'")
