@@ -38,6 +38,12 @@ def evaluator_for(initial):
         def frozen_fingerprint(self):
             return ""
 
+        def records(self):
+            return None  # no records to count: not a causal-lm run
+
+        def save_peft(self, arrays, folder):
+            return False  # no PEFT model behind it
+
         def __call__(self, server_round, arrays):
             return MetricRecord({"accuracy": server_round / 10, "loss": 1.0})
 
