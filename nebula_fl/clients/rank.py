@@ -36,7 +36,6 @@ def _device_for(rank: int, opts: TrainerOptions):
 def _init_method(opts: TrainerOptions, init_file: str) -> str:
     """One node: a file in the state folder. Several: the c10d TCP store on node 0 (torch.distributed's own
     rendezvous, as torchrun's static one)."""
-    gloo_interface(opts)
     return f"file://{init_file}" if opts.nnodes == 1 else f"tcp://{opts.rendezvous}"
 
 
@@ -71,11 +70,8 @@ def rank_main(rank: int, opts: TrainerOptions, init_file: str, supervisor: int, 
     from nebula_fl.lifetime import die_with_process
 
     die_with_process(supervisor, signal.SIGKILL)  # even by SIGKILL: no rank outlives its trainer
-    if store is None:
-        init_method = _init_method(opts, init_file)
-    else:
-        init_method = None
-        gloo_interface(opts)
+    gloo_interface(opts)
+    init_method = _init_method(opts, init_file) if store is None else None
     import torch
     import torch.distributed as dist
 

@@ -159,27 +159,9 @@ def _conversation(where: str, key: str, turns) -> tuple[str, str]:
 
 
 def _jsonl(path: Path) -> list[tuple[str, str]]:
-    """JSON Lines, or one JSON array of objects (Alpaca's own files) in a .json file."""
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
-        try:
-            items = json.loads(text)
-        except ValueError as err:
-            raise NebulaError(f"'{path}' is not a JSON array ({err.msg} at line {err.lineno}); write an array of "
-                              "objects, or one JSON object per line") from None
-        numbered = [(f"'{path}' item {i}", row) for i, row in enumerate(items, start=1)]
-    else:
-        numbered = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                numbered.append((f"'{path}' line {number}", json.loads(line)))
-            except ValueError as err:
-                raise NebulaError(f"'{path}' line {number} is not JSON ({err.msg}); write one JSON object per "
-                                  "line") from None
+    """JSON Lines, read a line at a time, or one JSON array of objects (Alpaca's own files) in a .json file."""
     rows = []
-    for where, row in numbered:
+    for where, row in _json_objects(path):
         if not isinstance(row, dict):
             raise NebulaError(f"{where} is a {type(row).__name__}, not an object; write one object per record, "
                               'e.g. {"instruction": ..., "output": ...}')
@@ -189,6 +171,30 @@ def _jsonl(path: Path) -> list[tuple[str, str]]:
     if not rows:
         raise NebulaError(f"'{path}' holds no record; write one JSON object per line")
     return rows
+
+
+def _json_objects(path: Path):
+    """(where, value) of each record of a JSON Lines file or a JSON array."""
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        head = handle.read(4096).lstrip()
+        handle.seek(0)
+        if path.suffix.lower() == ".json" and head.startswith("["):
+            try:
+                items = json.load(handle)
+            except ValueError as err:
+                raise NebulaError(f"'{path}' is not a JSON array ({err.msg} at line {err.lineno}); write an array of "
+                                  "objects, or one JSON object per line") from None
+            yield from ((f"'{path}' item {i}", row) for i, row in enumerate(items, start=1))
+            return
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as err:
+                raise NebulaError(f"'{path}' line {number} is not JSON ({err.msg}); write one JSON object per "
+                                  "line") from None
+            yield f"'{path}' line {number}", row
 
 
 def _csv(path: Path) -> list[tuple[str, str]]:

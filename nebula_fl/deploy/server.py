@@ -73,10 +73,7 @@ class ServerConfig:
     @classmethod
     def load(cls, path: Path) -> ServerConfig:
         path = Path(path).expanduser().resolve()
-        doc = read_toml(path, what="server")
-        unknown = sorted(set(doc) - SERVER_KEYS)
-        if unknown:
-            raise NebulaError(f"{path}: unknown key '{unknown[0]}'; known: {', '.join(sorted(SERVER_KEYS))}")
+        doc = read_toml(path, what="server", known=SERVER_KEYS)
         if "work-dir" not in doc:
             raise NebulaError(f"{path}: 'work-dir' is missing (where run folders and logs go)")
 

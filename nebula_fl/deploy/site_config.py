@@ -38,15 +38,20 @@ SITE_KEYS = {"cluster-id", "superlink", "state-dir", "log-dir", "ca", "node-key"
 SET_BY_SITE = {"socket", "cluster-id", "state-dir"}  # [trainer] keys the site itself decides
 
 
-def read_toml(path: Path, *, what: str) -> dict[str, Any]:
+def read_toml(path: Path, *, what: str, known: frozenset[str] | set[str], hint: str = "") -> dict[str, Any]:
+    """The file's table, every top-level key among `known` (`hint` says where an unknown one may belong)."""
     try:
-        return tomllib.loads(Path(path).read_text())
+        doc = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
         raise NebulaError(f"{path}: no such {what} config; pass the file you wrote (examples/sites/)") from None
     except (OSError, UnicodeDecodeError) as err:
         raise NebulaError(f"{path}: the {what} config cannot be read ({err})") from None
     except tomllib.TOMLDecodeError as err:
         raise NebulaError(f"{path}: the {what} config is not valid TOML: {err}") from None
+    unknown = sorted(set(doc) - set(known))
+    if unknown:
+        raise NebulaError(f"{path}: unknown key '{unknown[0]}'{hint}; known: {', '.join(sorted(known))}")
+    return doc
 
 
 def typed(doc: dict[str, Any], key: str, kind: type, default: Any = None, *, path: Path) -> Any:
@@ -116,11 +121,7 @@ class SiteConfig:
     @classmethod
     def load(cls, path: Path) -> SiteConfig:
         path = Path(path).expanduser().resolve()
-        doc = read_toml(path, what="site")
-        unknown = sorted(set(doc) - SITE_KEYS)
-        if unknown:
-            raise NebulaError(f"{path}: unknown key '{unknown[0]}' (a trainer flag goes under [trainer]); known: "
-                              f"{', '.join(sorted(SITE_KEYS))}")
+        doc = read_toml(path, what="site", known=SITE_KEYS, hint=" (a trainer flag goes under [trainer])")
         for key in ("cluster-id", "state-dir"):
             if key not in doc:
                 raise NebulaError(f"{path}: '{key}' is missing")

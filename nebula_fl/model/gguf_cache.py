@@ -1,10 +1,11 @@
 """A GGUF base dequantised once per host: a transformers folder (fp32 safetensors, config, tokenizer) keyed by the
 file's SHA-256, which every later process loads in about a second instead of dequantising again.
 
-transformers dequantises a GGUF file on every load (SmolLM2-135M: ~26 s for the weights, ~8 s for its tokenizer),
+transformers dequantises a GGUF file on every load (SmolLM2-135M here: 13.0 s for the weights, 2.9 s for its
+tokenizer, against 0.2 s for both from the folder),
 and a causal-lm run loads its base in the ServerApp, every rank of every trainer and `nebula-fl generate`. The first
-process to need a file builds its folder under a lock, in a temporary folder renamed into place when complete, so
-a reader finds a whole folder or none, and processes started together build it once. The key is the file's
+process to need a file builds its folder under a lock, written whole or not at all (``storage.durable``), so a
+reader finds a whole folder or none, and processes started together build it once. The key is the file's
 contents, not its path: an edited or replaced file gets a folder of its own. The cache lives in
 ``$NEBULA_FL_CACHE/gguf`` (default ``~/.cache/nebula-fl/gguf``), about 4 bytes per parameter; deleting it only costs
 the next load its dequantisation.
@@ -15,9 +16,10 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
+
+from nebula_fl.storage.durable import write_folder_durably
 
 CACHE_ENV = "NEBULA_FL_CACHE"
 
@@ -45,14 +47,7 @@ def dequantised(gguf: Path, *, build: Callable[[Path, Path], None]) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per file; the others wait, then find the folder
         if final.is_dir():
             return final
-        tmp = root / f".{final.name}.{os.getpid()}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            build(gguf, tmp)
-            tmp.rename(final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        write_folder_durably(final, lambda folder: build(gguf, folder) or True)
     return final
 
 

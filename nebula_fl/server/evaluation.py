@@ -34,8 +34,9 @@ class ServerEvaluator:
                           privacy_mode=cfg.privacy.mode, device=self.device)
         self.setup = setup
         self.model = self.task.build_model(setup).to(self.device)
-        self.data = self.task.examples(setup=setup, tokenizer=self.task.tokenizer(setup), texts=test.texts,
-                                       labels=test.labels, train=False)
+        self.tokenizer = self.task.tokenizer(setup)
+        self.data = self.task.examples(setup=setup, tokenizer=self.tokenizer, texts=test.texts, labels=test.labels,
+                                       train=False)
         self.batch_size = cfg.federation.eval_batch_size
         self.num_test = len(test)
 
@@ -46,7 +47,7 @@ class ServerEvaluator:
         held_out = getattr(self.data, "report", None)
         if held_out is None:
             return None
-        train = self.task.examples(setup=self.setup, tokenizer=self.task.tokenizer(self.setup), texts=self.train.texts,
+        train = self.task.examples(setup=self.setup, tokenizer=self.tokenizer, texts=self.train.texts,
                                    labels=self.train.labels, train=True)
         return {name: {**report.to_dict(), "said": report.describe()}
                 for name, report in (("train", train.report), ("held_out", held_out))}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -31,3 +33,26 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_folder_durably(path: Path, fill: Callable[[Path], bool]) -> bool:
+    """Make folder `path` whole or not at all: `fill(folder)` writes a fresh sibling folder, whose files are then
+    fsynced and which replaces `path` (an older one removed). False, and `path` untouched, when `fill` declines; a
+    `fill` that fails leaves nothing behind either."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    old = path.with_name(f".{path.name}.{secrets.token_hex(8)}.old")
+    tmp.mkdir()
+    try:
+        if not fill(tmp):
+            return False
+        for item in (f for f in tmp.rglob("*") if f.is_file()):
+            with item.open("rb") as handle:
+                os.fsync(handle.fileno())
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        fsync_dir(path.parent)
+        return True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)

@@ -47,6 +47,7 @@ from nebula_fl.storage.checkpoint import (
     write_checkpoint,
     write_durably,
 )
+from nebula_fl.storage.durable import write_folder_durably
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -310,23 +311,7 @@ class RunFolder:
         """`write(folder)` fills a new folder (PEFT's `save_pretrained`), which then replaces PEFT_ADAPTER whole: a
         run folder never holds a half-written adapter folder under that name. None if `write` declined."""
         final = self.path / PEFT_ADAPTER
-        tmp = self.path / f".{PEFT_ADAPTER}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        if not write(tmp):
-            shutil.rmtree(tmp)
-            return None
-        for item in (f for f in tmp.rglob("*") if f.is_file()):
-            with item.open("rb") as handle:
-                os.fsync(handle.fileno())
-        old = self.path / f".{PEFT_ADAPTER}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        fsync_dir(self.path)
-        shutil.rmtree(old, ignore_errors=True)
-        return final
+        return final if write_folder_durably(final, write) else None
 
     def save_adapter(self, adapter: dict[str, np.ndarray], *, name: str = ADAPTER) -> None:
         """The final global exchanged tensors: the adapter, or (`name` = MODEL) every weight of a full-exchange task."""
