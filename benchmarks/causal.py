@@ -27,10 +27,18 @@ token after the last round (goal <= 0.02); `exact_match_gap_points` = 100 x (cen
 `exact_match_resolution_points`); `bytes_ratio_vs_flower_lora` = stock Flower's WAN bytes per round per cluster /
 nebula-fl's with `--codec none`, as benchmarks/comm.py counts them (the proxies' counts, both ways, HTTP and
 polling included, mean over rounds >= 1 and clusters), and `bytes_ratio_vs_flower_lora_compressed` with the
-chain. Goals are judged as measured; the settings were fixed before the runs, never tuned to a result.
+chain, and `..._from_round_2` the same over rounds 2 on (round 1 carries the first download and Flower's set-up:
+what a long run pays per round); `first_round_within_loss_goal` = the first round from which the federated loss
+stays within 2% of centralized's at the same round. Before the runs, with no federation: `records`, what
+max-seq-len does to the shipped data (the BBC instruction view at the task's default length and at the demo's:
+inputs cut, records dropped; the BBC articles as plain text: `packed_text_tokens_kept_ratio`, tokens kept / tokens
+in the data when packed, goal 1.0), and `memory_per_worker`, one worker's peak resident memory for fp32, bf16 and
+nf4 bases (decoder_memory.py's measurement, 8 x 256 tokens). Goals are judged as measured; the settings were fixed
+before the runs, never tuned to a result.
 
     .venv/bin/python benchmarks/causal.py --quick   # 5 runs, 3 rounds x 5 steps, 300 examples: <= 20 min on 2 idle cores
     .venv/bin/python benchmarks/causal.py           # the demo preset's sizes: 600 examples, 4 rounds x 10 steps
+    .venv/bin/python benchmarks/causal.py --rounds 12   # the same, run on until the federation nears centralized
 
 Writes results.json (the command, the model, the settings, every run's per-round curve and bytes), causal.png
 (held-out loss and exact match per round) and prints a table; keeps every run's folder and log.
@@ -39,11 +47,14 @@ Writes results.json (the command, the model, the settings, every run's per-round
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -54,6 +65,7 @@ from comm import _flower_value, records_from_lines  # beside this script: the sa
 from harness import StockFederation, fresh_out, metrics_lines, run_federation, table, write_results
 from rich.console import Console
 
+from nebula_fl.components import settle
 from nebula_fl.config import RunConfig
 from nebula_fl.tasks.causal_lm import CausalLMTask
 
@@ -62,6 +74,7 @@ STOCK_APP = HERE / "stock_flower"
 FEDERATED, CENTRALIZED, DATA_PARALLEL, FLOWER = "federated", "centralized", "data-parallel", "flower-lora"
 GOALS: dict[str, tuple[str, float]] = {
     "loss_gap_relative": ("<=", 0.02),
+    "packed_text_tokens_kept_ratio": (">=", 1.0),
     "exact_match_gap_points": ("<=", 1.0),
     "loss_gap_relative_vs_data_parallel": ("<=", 0.02),
     "exact_match_gap_points_vs_data_parallel": ("<=", 1.0),
@@ -94,10 +107,10 @@ FULL_MODE = Mode(rounds=int(DEMO["num-server-rounds"]), local_steps=int(DEMO["lo
 # -- the runs' settings ------------------------------------------------------------------------------
 def run_config(mode: Mode, *, partition: str, seed: int) -> RunConfig:
     """The validated config every run shares: the causal-lm demo preset with this mode's sizes."""
-    return RunConfig().replace({**DEMO, "task.name": "causal-lm", "num-server-rounds": mode.rounds,
-                                "local-steps": mode.local_steps, "max-examples": mode.max_examples,
-                                "test-fraction": mode.test_fraction, "partition": partition, "seed": seed,
-                                "eval-initial": True})
+    return settle(RunConfig().replace({**DEMO, "task.name": "causal-lm", "num-server-rounds": mode.rounds,
+                                       "local-steps": mode.local_steps, "max-examples": mode.max_examples,
+                                       "test-fraction": mode.test_fraction, "partition": partition, "seed": seed,
+                                       "eval-initial": True}))
 
 
 def nebula_command(mode: Mode, *, clusters: int, seed: int, partition: str, codec: str = "none",
@@ -142,10 +155,11 @@ def curve(initial: dict | None, lines: list[dict]) -> list[dict]:
     return out + [{"round": line["round"], **{k: line[k] for k in keys}} for line in lines]
 
 
-def bytes_per_round(lines: list[dict]) -> float | None:
-    """WAN bytes per round per cluster as comm.py counts them: the proxies' bytes both ways, mean over rounds >= 1
-    and clusters (None when the run had no link)."""
-    per = [c["bytes_up"] + c["bytes_down"] for r in records_from_lines(lines) if r["round"] >= 1
+def bytes_per_round(lines: list[dict], *, first: int = 1) -> float | None:
+    """WAN bytes per round per cluster as comm.py counts them: the proxies' bytes both ways, mean over rounds >=
+    `first` and clusters (None when the run had no link). From round 2 on, round 1's extras (the first download of
+    the adapter, Flower's run set-up) are left out: what a long run pays per round."""
+    per = [c["bytes_up"] + c["bytes_down"] for r in records_from_lines(lines) if r["round"] >= first
            for c in r["clusters"]]
     return statistics.mean(per) if per else None
 
@@ -178,9 +192,25 @@ def figures(runs: dict[str, dict], *, chain_run: str) -> dict[str, float | None]
                                                              chain.get("bytes_per_round_per_cluster"))
         out["loss_cost_relative_compressed"] = (last[chain_run]["loss"] - last[FEDERATED]["loss"]) / last[FEDERATED]["loss"]
         out["exact_match_cost_points_compressed"] = 100.0 * (last[FEDERATED]["exact-match"] - last[chain_run]["exact-match"])
+    out["first_round_within_loss_goal"] = first_round_within(fed["curve"], runs[CENTRALIZED]["curve"],
+                                                             relative=GOALS["loss_gap_relative"][1])
+    stock_late = runs.get(FLOWER, {}).get("bytes_per_round_per_cluster_from_round_2")
+    out["bytes_ratio_vs_flower_lora_from_round_2"] = ratio(stock_late, fed.get("bytes_per_round_per_cluster_from_round_2"))
     out["zero_shot_loss"] = fed["curve"][0]["loss"] if fed["curve"][0]["round"] == 0 else None
     out["zero_shot_exact_match"] = fed["curve"][0]["exact-match"] if fed["curve"][0]["round"] == 0 else None
     return out
+
+
+def first_round_within(fed: list[dict], reference: list[dict], *, relative: float) -> int | None:
+    """The first round from which the federated held-out loss stays within `relative` of the reference's at the
+    same round (the same examples seen), or None if it does not by the last."""
+    ref = {p["round"]: p["loss"] for p in reference}
+    rounds = [p["round"] for p in fed if p["round"] >= 1 and p["round"] in ref]
+    ok = {p["round"]: (p["loss"] - ref[p["round"]]) / ref[p["round"]] <= relative for p in fed if p["round"] in rounds}
+    for r in rounds:
+        if all(ok[q] for q in rounds if q >= r):
+            return r
+    return None
 
 
 def judge(values: dict[str, float | None]) -> dict[str, dict[str, Any]]:
@@ -206,6 +236,7 @@ def run_nebula(name: str, args_: list[str], *, out: Path, console: Console) -> d
             "examples_seen": sum(c.get("examples_seen", 0) for line in lines for c in line["clusters"].values()),
             "steps": sum(c.get("steps", 0) for line in lines for c in line["clusters"].values()),
             "bytes_per_round_per_cluster": bytes_per_round(lines),
+            "bytes_per_round_per_cluster_from_round_2": bytes_per_round(lines, first=2),
             "bytes_total": summary.get("bytes_up_total", 0) + summary.get("bytes_down_total", 0)}
 
 
@@ -229,7 +260,52 @@ def run_stock(cfg: RunConfig, *, clusters: int, link: str, out: Path, console: C
     return {"system": "flower", "command": ["flwr", "run", str(STOCK_APP), "local", "--run-config", config],
             "wall_seconds": time.monotonic() - started, "load_average_at_start": load, "folder": str(folder),
             "curve": curve(initial, rounds),
-            "bytes_per_round_per_cluster": bytes_per_round(rounds)}
+            "bytes_per_round_per_cluster": bytes_per_round(rounds),
+            "bytes_per_round_per_cluster_from_round_2": bytes_per_round(rounds, first=2)}
+
+
+MEMORY_SETTINGS = ((8, 256, "fp32"), (8, 256, "bf16"), (8, 256, "nf4"))
+
+
+def memory_rows(console: Console) -> list[dict]:
+    """Peak resident memory of one worker per base precision: decoder_memory.py's measurement (load SmolLM2 as the
+    task does, 3 AdamW steps at 8 x 256 tokens), each setting in a fresh process."""
+    rows = []
+    for batch, tokens, dtype in MEMORY_SETTINGS:
+        console.print(f"memory: {dtype} base, batch {batch} x {tokens} tokens, in a fresh process")
+        done = subprocess.run([sys.executable, str(HERE / "decoder_memory.py"), "--one", str(batch), str(tokens),
+                               dtype, "0"], check=True, capture_output=True, text=True)
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return rows
+
+
+def records_figures(console: Console) -> dict[str, Any]:
+    """What max-seq-len does to the shipped data, no federation needed: the BBC instruction view (2,225 records)
+    at the task's default length and at the demo's, and the BBC articles as plain text, packed (tokens kept /
+    tokens in the data) and one row per document (as under per-example DP)."""
+    from nebula_fl.data.corpus import load_labelled
+    from nebula_fl.data.instructions import load_records
+    from nebula_fl.model.loading import load_tokenizer
+    from nebula_fl.model.locate import resolve_model_path
+    from nebula_fl.tasks.causal_lm import CausalRecords
+
+    tokenizer = load_tokenizer(resolve_model_path("smollm2"))
+    view = load_records("bbcnews")
+    default = int(CausalLMTask.run_defaults()["max-seq-len"])
+    out: dict[str, Any] = {}
+    for name, length in (("instruction_view_default_length", default),
+                         ("instruction_view_demo_length", int(DEMO["max-seq-len"]))):
+        console.print(f"records: the BBC instruction view at max-seq-len {length}")
+        records = CausalRecords(tokenizer, view.texts, [str(a) for a in view.labels], max_len=length,
+                                objective="instruct", template="auto", exact_match_tokens=16)
+        out[name] = records.report.to_dict()
+    articles = load_labelled("bbcnews", targets="classes").texts
+    for name, pack in (("plain_text_packed", True), ("plain_text_one_row_per_document", False)):
+        console.print(f"records: the BBC articles as plain text at max-seq-len {default}, {name}")
+        report = CausalRecords(tokenizer, articles, [""] * len(articles), max_len=default, objective="instruct",
+                               template="auto", exact_match_tokens=16, pack=pack).report
+        out[name] = {**report.to_dict(), "kept_ratio": report.text_tokens_kept / report.text_tokens}
+    return out
 
 
 def machine() -> dict[str, Any]:
@@ -295,12 +371,22 @@ def results_table(results: dict) -> Any:
     return shown
 
 
+def memory_table(rows: list[dict]) -> Any:
+    shown = table("one causal-lm worker, SmolLM2-135M + LoRA, CPU: peak resident memory",
+                  ("base", "batch x tokens", "weights MB", "loaded MB", "trained MB"))
+    for r in rows:
+        shown.add_row(r["base_dtype"], f"{r['batch']} x {r['tokens']}", f"{r['weights_mb']:.0f}",
+                      f"{r['loaded_mb']:.0f}", f"{r['trained_mb']:.0f}")
+    return shown
+
+
 def goals_table(results: dict) -> Any:
     shown = table("figures vs goals", ("figure", "measured", "goal", "met"))
     for key, g in results["goals"].items():
         fmt = ".4f" if "relative" in key else ".2f"
         shown.add_row(key, _num(g["value"], fmt), g["goal"].replace("<=", "≤"), "yes" if g["met"] else "[bold red]MISSED[/]")
-    for key in ("bytes_ratio_vs_flower_lora", "bytes_ratio_vs_flower_lora_compressed", "loss_cost_relative_compressed",
+    for key in ("first_round_within_loss_goal", "bytes_ratio_vs_flower_lora", "bytes_ratio_vs_flower_lora_from_round_2",
+                "bytes_ratio_vs_flower_lora_compressed", "loss_cost_relative_compressed",
                 "exact_match_cost_points_compressed", "exact_match_resolution_points"):
         value = results["figures"].get(key)
         shown.add_row(key, _num(value, ".4f" if "relative" in key else ".2f"), "-", "-")
@@ -312,6 +398,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK.rounds} rounds x {QUICK.local_steps} steps on {QUICK.max_examples} examples: "
                              "the 5 runs in <= 20 min on 2 idle cores")
+    parser.add_argument("--rounds", type=int, help="rounds of every run (default: the mode's; more rounds show where "
+                                                   "the federation reaches the centralized loss)")
     parser.add_argument("--clusters", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--partition", default=str(DEMO["partition"]))
@@ -322,11 +410,18 @@ def main() -> int:
     if args.clusters < 2:
         parser.error("--clusters must be 2 or more: the centralized run is the 1-cluster case")
     mode = QUICK if args.quick else FULL_MODE
+    if args.rounds is not None:
+        if args.rounds < 1:
+            parser.error("--rounds must be 1 or more")
+        mode = dataclasses.replace(mode, rounds=args.rounds)
     console = Console(highlight=False, width=150)
     out = fresh_out(args.out)
     cfg = run_config(mode, partition=args.partition, seed=args.seed)
     chain_run = f"{FEDERATED}-{args.codec}"
     started = time.monotonic()
+    records = records_figures(console)
+    memory = memory_rows(console)
+    write_results(out, {"records": records, "memory": memory}, name="measured.json")
     runs: dict[str, dict] = {}
     common = {"seed": args.seed, "partition": args.partition}
     runs[FEDERATED] = run_nebula(FEDERATED, nebula_command(mode, clusters=args.clusters, link=args.wan, **common),
@@ -344,12 +439,14 @@ def main() -> int:
     write_results(out, runs, name="runs.json")
     runs[FLOWER] = run_stock(cfg, clusters=args.clusters, link=args.wan, out=out, console=console)
     write_results(out, runs, name="runs.json")
-    report(runs, args=args, mode=mode, cfg=cfg, out=out, wall_seconds=time.monotonic() - started, console=console)
+    report(runs, args=args, mode=mode, cfg=cfg, out=out, wall_seconds=time.monotonic() - started, console=console,
+           records=records, memory=memory)
     return 0
 
 
 def report(runs: dict[str, dict], *, args: argparse.Namespace, mode: Mode, cfg: RunConfig, out: Path,
-           wall_seconds: float, console: Console) -> dict:
+           wall_seconds: float, console: Console, records: dict[str, Any] | None = None,
+           memory: list[dict] | None = None) -> dict:
     """results.json, the PNG and the tables from the runs' records."""
     chain_run = f"{FEDERATED}-{args.codec}"
     for name, run in runs.items():
@@ -360,6 +457,8 @@ def report(runs: dict[str, dict], *, args: argparse.Namespace, mode: Mode, cfg: 
             console.print(f"[bold yellow]WARNING: examples seen differ: {name} {runs[name].get('examples_seen')}, "
                           f"federated {runs[FEDERATED].get('examples_seen')}[/]")
     values = figures(runs, chain_run=chain_run)
+    if records:
+        values["packed_text_tokens_kept_ratio"] = records["plain_text_packed"]["kept_ratio"]
     test_records = _test_records(cfg)
     values["exact_match_resolution_points"] = 100.0 / test_records if test_records else None
     goals = judge(values)
@@ -377,6 +476,7 @@ def report(runs: dict[str, dict], *, args: argparse.Namespace, mode: Mode, cfg: 
                      "dataset": cfg.data.dataset, "outer_optimizer": "fedavg", "codec": args.codec, "wan": args.wan,
                      "eval_initial": True},
         "config": cfg.to_flat(), "chain_run": chain_run, "figures": values, "goals": goals,
+        "records": records, "memory_per_worker": memory,
         "goals_met": all(g["met"] for g in goals.values()),
         "wall_seconds": wall_seconds, "machine": machine(), "runs": runs,
     }
@@ -384,6 +484,8 @@ def report(runs: dict[str, dict], *, args: argparse.Namespace, mode: Mode, cfg: 
     plot(results, out / "causal.png")
     console.print(results_table(results))
     console.print(goals_table(results))
+    if memory:
+        console.print(memory_table(memory))
     console.print(f"goals met: {'yes' if results['goals_met'] else 'NO'}; {results['wall_seconds'] / 60:.1f} min; "
                   f"results: {out / 'results.json'}")
     return results

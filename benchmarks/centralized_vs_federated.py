@@ -22,6 +22,7 @@ import torch
 from harness import fresh_out, parse_run_config, run_federation, table, write_results  # beside this script
 from rich.console import Console
 
+from nebula_fl.components import settle
 from nebula_fl.config import PRESETS, RunConfig
 from nebula_fl.data.datasets import train_test_split
 from nebula_fl.model.batches import TokenizedTexts
@@ -129,7 +130,7 @@ def main() -> int:
     out = fresh_out(args.out)
     overrides = {**PRESETS[args.preset], "seed": args.seed, "min-clusters": args.clusters,
                  **parse_run_config(args.run_config)}
-    cfg = RunConfig().replace(overrides)
+    cfg = settle(RunConfig().replace(overrides))
 
     fed = federated(args, out, console)
     cen = centralized(cfg, clusters=args.clusters, console=console)

@@ -77,9 +77,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from nebula_fl.config import DataConfig, FederationConfig, ModelConfig, TrainConfig
+from nebula_fl.components import settle
+from nebula_fl.config import DataConfig, FederationConfig, RunConfig
 from nebula_fl.wan.model import wan_seconds
 from nebula_fl.wan.profile import LinkProfile, parse_profile
+
+DEFAULTS = settle(RunConfig())  # nebula-fl's defaults as the classify task reads "auto"
 
 HERE = Path(__file__).resolve().parent
 STOCK_APP = HERE / "stock_flower"
@@ -409,7 +412,7 @@ def stock_run_config(*, mode: str, settings: Mode, args: argparse.Namespace, fol
     """The stock app's run config: nebula-fl's own defaults for everything both sides share."""
     shared: dict[str, Any] = {  # not nebula-fl's round scheduling (stock Flower rounds block, on fixed steps), nor
         # FedProx's term (the stock baseline is FedAvg)
-        key: value for section in (TrainConfig(), ModelConfig()) for key, value in section.to_flat().items()
+        key: value for section in (DEFAULTS.train, DEFAULTS.model) for key, value in section.to_flat().items()
         if key not in ("round-overlap", "max-local-steps", "round-seconds", "prox-mu")
     }
     shared.update({

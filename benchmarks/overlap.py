@@ -109,6 +109,7 @@ from harness import fresh_out, run_federation, write_results  # beside this scri
 from rich.console import Console
 from rich.table import Table
 
+from nebula_fl.components import settle
 from nebula_fl.config import PRESETS, RunConfig
 
 CONFIGS = ("demo", "hop-bound", "hetero", "secagg")
@@ -727,7 +728,7 @@ def main() -> int:
     configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     if not configs or any(c not in CONFIGS for c in configs):
         parser.error(f"--configs '{args.configs}': use some of {', '.join(CONFIGS)}")
-    preset = RunConfig().replace(dict(PRESETS[args.preset]))
+    preset = settle(RunConfig().replace(dict(PRESETS[args.preset])))
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else preset.federation.num_server_rounds)
     secagg_rounds = args.secagg_rounds or (QUICK_SECAGG_ROUNDS if args.quick else rounds)
     local_steps = args.local_steps or preset.train.local_steps or 10

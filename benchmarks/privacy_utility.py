@@ -100,7 +100,8 @@ def main() -> int:
     console = Console(highlight=False, width=160)
     out = fresh_out(args.out)
 
-    from nebula_fl.config import DataConfig, TrainConfig
+    from nebula_fl.components import settle
+    from nebula_fl.config import DataConfig, RunConfig
     from nebula_fl.data.datasets import cluster_shard
     from nebula_fl.privacy.dp_recipe import learning_rate, logical_batch
 
@@ -124,7 +125,7 @@ def main() -> int:
     main_dp = {f"{r['target_epsilon']:g}": r for r in results.values() if "target_epsilon" in r}
     gap_points = {eps: r["gap_points"] for eps, r in main_dp.items()}
     defaults = {"privacy.batch-size": logical, "lora-mode": "frozen-a", "privacy.max-grad-norm": 1.0,
-                "privacy.lr": learning_rate(requested=None, lr=TrainConfig().lr, logical=logical,
+                "privacy.lr": learning_rate(requested=None, lr=settle(RunConfig()).train.lr, logical=logical,
                                             batch_size=args.batch_size, world=1)}
     summary = {
         "benchmark": "privacy_utility", "config": vars(args), "goals_points": GOALS, "gap_points": gap_points,

@@ -85,6 +85,13 @@ def resolve(cfg: RunConfig) -> Components:
     return Components(task=task, strategy=strategy)
 
 
+def settle(cfg: RunConfig) -> RunConfig:
+    """`cfg` with the task-dependent "auto" keys (lr, lr-warmup-ratio, max-seq-len) as its task's values."""
+    from nebula_fl.tasks import task_class
+
+    return cfg.settled(task_class(cfg.task.name).run_defaults())
+
+
 def load(flat: Mapping[str, Any]) -> RunConfig:
     """A flat run config (Flower's, ``--run-config``'s, a run folder's) validated whole: values, then plug-ins."""
     cfg = RunConfig.from_flat(flat)

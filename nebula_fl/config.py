@@ -292,17 +292,21 @@ class ModelConfig(Section):
     """'minilm' (the shipped all-MiniLM-L6-v2), 'smollm2' (the shipped SmolLM2-135M-Instruct, a decoder for the
     causal-lm task), or a path to a transformers model folder or a .gguf file (at most 4,095 bytes, names of at
     most 255, no control characters)."""
-    max_seq_len: int = 128
+    max_seq_len: int | None = None
     """Tokens per example; 8 to the model's own position limit (MiniLM and BERT 512, SmolLM2 8,192), checked when
-    the model loads, at most 131,072. The causal-lm task never cuts an answer: see its records."""
+    the model loads, at most 131,072; "auto" = the task's (the encoder tasks 128, causal-lm 1,024, TRL's default).
+    The causal-lm task never cuts an answer: see its records."""
     lora_r: int = 8
     """LoRA rank; 1 to 1,024."""
-    lora_alpha: int = 16
-    """LoRA scaling numerator (the update is scaled by alpha / r); 1 to 65,536."""
+    lora_alpha: int | None = None
+    """LoRA scaling numerator (the update is scaled by alpha / r); 1 to 65,536; "auto" = 2 x lora-r (16 at rank 8),
+    the common recipe, so a larger rank keeps the same scale."""
     lora_dropout: float = 0.0
     """Dropout on the LoRA branch; in [0, 1)."""
-    lora_target_modules: str = "query,value"
-    """Comma-separated names of the linear layers that get LoRA adapters; at most 1,024 characters."""
+    lora_target_modules: str = AUTO
+    """Comma-separated names of the linear layers that get LoRA adapters, 'all-linear', or "auto": PEFT's choice for
+    the architecture (BERT and MiniLM: query,value; Llama, Mistral, Qwen2 and SmolLM2: q_proj,v_proj); at most 1,024
+    characters."""
     lora_mode: str = "auto"
     """'standard' (A and B trained and averaged separately, as FlowerTune does: the mean of the products is
     not the product of the means), 'frozen-a' (FFA-LoRA: A drawn from the run's seed, the same on every
@@ -312,10 +316,12 @@ class ModelConfig(Section):
     def __post_init__(self) -> None:
         check_path("model", self.model, fix="name 'minilm' or a transformers model folder")
         require(bool(self.model), "model", "is '' (empty)", "name 'minilm' or a transformers model folder")
-        check_int("max-seq-len", self.max_seq_len, low=8, high=MAX_SEQ_LEN,
-                  fix=f"use 8 to {MAX_SEQ_LEN:,} tokens, within the model's own position limit")
+        if self.max_seq_len is not None:
+            check_int("max-seq-len", self.max_seq_len, low=8, high=MAX_SEQ_LEN,
+                      fix=f"use 8 to {MAX_SEQ_LEN:,} tokens, within the model's own position limit, or \"auto\"")
         check_int("lora-r", self.lora_r, low=1, high=1024, fix="use a rank of 1 or more (at most 1024)")
-        check_int("lora-alpha", self.lora_alpha, low=1, high=65_536, fix="use 1 or more (at most 65536)")
+        if self.lora_alpha is not None:
+            check_int("lora-alpha", self.lora_alpha, low=1, high=65_536, fix="use 1 or more (at most 65536), or \"auto\"")
         check_real("lora-dropout", self.lora_dropout, low=0, high=1, high_open=True, fix="use a probability in [0, 1)")
         check_text("lora-target-modules", self.lora_target_modules, max_len=1024,
               fix="list layer names such as 'query,value'")
@@ -325,7 +331,18 @@ class ModelConfig(Section):
                  f"is {show(self.lora_target_modules)}, which names no module", "list layer names such as 'query,value'")
 
     def target_modules(self) -> list[str]:
+        """The names `lora-target-modules` lists; ["auto"] when it leaves the choice to PEFT's table."""
         return [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
+
+    def settled(self, defaults: Mapping[str, Scalar]) -> ModelConfig:
+        """A copy with `max-seq-len`'s "auto" as the task's `defaults` say and lora-alpha's as its number."""
+        seq = defaults["max-seq-len"] if self.max_seq_len is None else self.max_seq_len
+        return dataclasses.replace(self, max_seq_len=int(seq), lora_alpha=self.alpha)
+
+    @property
+    def alpha(self) -> int:
+        """`lora-alpha`, or 2 x `lora-r` when it is "auto"."""
+        return 2 * self.lora_r if self.lora_alpha is None else self.lora_alpha
 
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -355,8 +372,12 @@ class TrainConfig(Section):
     fedavg; with momentum outer optimizers lower outer-lr (strategies/staleness.py)."""
     batch_size: int = 16
     """Examples per worker per step; 1 to 65,536."""
-    lr: float = 5e-3
-    """Inner AdamW learning rate (LoRA tolerates far larger rates than full fine-tuning); > 0, at most 10."""
+    lr: float | None = None
+    """Inner AdamW learning rate; > 0, at most 10; "auto" = the task's: 5e-3 for the encoder tasks (LoRA on a small
+    encoder tolerates far larger rates than full fine-tuning), 2e-4 for causal-lm (the LoRA recipes for decoders)."""
+    lr_warmup_ratio: float | None = None
+    """The share of the run's inner steps over which the rate rises linearly from lr / steps to `lr` before the
+    schedule takes over; in [0, 0.5]; "auto" = the task's (0 for the encoder tasks, 0.03 for causal-lm)."""
     weight_decay: float = 0.0
     """Inner AdamW weight decay; 0 to 10."""
     max_grad_norm: float = 1.0
@@ -369,6 +390,12 @@ class TrainConfig(Section):
     """FedProx's proximal weight mu (Li et al. 2020): each cluster's local objective gains (mu / 2) ||w - w_g||^2,
     w_g the global weights the round brought, so local training drifts less from the global model on skewed data
     (clients/proximal.py). 0 turns it off; 0 to 10,000 (beyond, the weights barely move)."""
+
+    def settled(self, defaults: Mapping[str, Scalar]) -> TrainConfig:
+        """A copy with `lr`'s and `lr-warmup-ratio`'s "auto" as the task's `defaults` say."""
+        return dataclasses.replace(
+            self, lr=float(defaults["lr"] if self.lr is None else self.lr),
+            lr_warmup_ratio=float(defaults["lr-warmup-ratio"] if self.lr_warmup_ratio is None else self.lr_warmup_ratio))
 
     @property
     def steps_cap(self) -> int:
@@ -388,7 +415,10 @@ class TrainConfig(Section):
               fix=f"use seconds > 0 (at most {DAY_S}, 1 day)")
         check_bool("round-overlap", self.round_overlap)
         check_int("batch-size", self.batch_size, low=1, high=65_536, fix="use 1 or more (at most 65536)")
-        check_real("lr", self.lr, low=0, high=10, low_open=True, fix="use a learning rate > 0 (at most 10)")
+        if self.lr is not None:
+            check_real("lr", self.lr, low=0, high=10, low_open=True, fix="use a learning rate > 0 (at most 10), or \"auto\"")
+        if self.lr_warmup_ratio is not None:
+            check_real("lr-warmup-ratio", self.lr_warmup_ratio, low=0, high=0.5, fix="use 0 to 0.5, or \"auto\"")
         check_real("weight-decay", self.weight_decay, low=0, high=10, fix="use 0 or more (at most 10)")
         check_real("max-grad-norm", self.max_grad_norm, low=0, high=1e6, fix="use 0 (off) or more (at most 1e6)")
 
@@ -678,6 +708,12 @@ class RunConfig:
         out.update(self.strategy_options)
         return out
 
+    def settled(self, defaults: Mapping[str, Scalar]) -> RunConfig:
+        """A copy whose task-dependent "auto" keys (``TASK_DEFAULTS``) hold the task's `defaults` and whose
+        lora-alpha holds its number: what a run folder records and each round's message carries, so every side
+        trains with the same numbers and a run can be read without knowing the task's defaults."""
+        return dataclasses.replace(self, model=self.model.settled(defaults), train=self.train.settled(defaults))
+
     def replace(self, overrides: Mapping[str, Any]) -> RunConfig:
         """A copy with some flat keys overridden (validated like everything else)."""
         flat = self.to_flat()
@@ -686,6 +722,9 @@ class RunConfig:
         return RunConfig.from_flat(flat)
 
 
+TASK_DEFAULTS = ("lr", "lr-warmup-ratio", "max-seq-len")
+"""Run-config keys whose "auto" is the chosen task's value (``Task.defaults``): a decoder and an encoder want
+different ones."""
 TASK_OPTION = "task."  # the chosen task's own keys: checked against the task's Options by components.resolve
 STRATEGY_OPTION = "strategy."  # the outer strategy's own keys: likewise against the strategy's Options
 

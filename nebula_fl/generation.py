@@ -8,7 +8,7 @@ completion is the model every cluster started from (LoRA's B starts at zero: the
 "tuned" one is the same model with the final weights loaded.
 
 Prompts are formatted as training formatted them (``CausalLMTask.format_prompt``: the chat template or the plain
-one; raw text under ``objective = "pretrain"``) and decoded greedily until the task's end token or the token
+one; raw text under ``objective = "pretrain"``) and decoded greedily until the template's turn end, EOS or the token
 limit, one prompt at a time (no padding, so a completion is exactly what ``model.generate`` gives that prompt).
 """
 
@@ -104,29 +104,30 @@ class RunModel:
 
     @torch.no_grad()
     def complete(self, prompt: str, *, max_new_tokens: int) -> Completion:
-        """The greedy completion of `prompt`, formatted as training formatted it, ended by the task's end token."""
+        """The greedy completion of `prompt`, formatted as training formatted it, ended by a stop token."""
         from transformers import GenerationConfig
 
-        from nebula_fl.tasks.causal_lm import end_token, pad_token
+        from nebula_fl.tasks.causal_lm import pad_token
 
         ids = self.task.prompt_ids(self.tokenizer, prompt)  # as training did
         if not ids:
             raise NebulaError("a --prompt encodes to no tokens; give some text")
-        eos = end_token(self.tokenizer)
+        stops = self.task.stop_tokens(self.tokenizer)  # the template's turn end, as training learned it, and EOS
         device = next(self.model.parameters()).device
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         # an explicit config: the model's own generation defaults (sampling, penalties) must not change greedy decoding
         # (transformers fills only what a config leaves unset from the model's own, so every knob is set here)
         config = GenerationConfig(do_sample=False, num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0,
-                                  min_new_tokens=0, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                  min_new_tokens=0, max_new_tokens=max_new_tokens, eos_token_id=stops,
                                   pad_token_id=pad_token(self.tokenizer))
         self.model.eval()
         out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                   generation_config=config)
         new = [int(t) for t in out[0, len(ids):]]
-        stopped = eos in new
+        end = next((k for k, t in enumerate(new) if t in stops), None)
+        stopped = end is not None
         if stopped:
-            new = new[: new.index(eos)]
+            new = new[:end]
         return Completion(text=self.tokenizer.decode(new, skip_special_tokens=True), token_ids=new, stopped=stopped)
 
 

@@ -90,10 +90,21 @@ def test_the_figures_are_the_stated_arithmetic_and_goals_are_judged_as_measured(
     goals = causal.judge(f)
     assert not goals["loss_gap_relative"]["met"] and not goals["exact_match_gap_points"]["met"]
     assert goals["loss_gap_relative_vs_data_parallel"]["met"] and goals["exact_match_gap_points_vs_data_parallel"]["met"]
+    assert not goals["packed_text_tokens_kept_ratio"]["met"]  # not measured: not met
     runs[causal.FEDERATED] = _run([(0, 3.0, 0.1), (1, 0.99, 0.83)], per_round=2_000.0)  # the federation may win
-    assert all(g["met"] for g in causal.judge(causal.figures(runs, chain_run="federated-topk")).values())
+    won = causal.figures(runs, chain_run="federated-topk")
+    assert all(g["met"] for g in causal.judge({**won, "packed_text_tokens_kept_ratio": 1.0}).values())
+    assert not causal.judge({**won, "packed_text_tokens_kept_ratio": 0.82})["packed_text_tokens_kept_ratio"]["met"]
     assert not causal.judge({"loss_gap_relative": float("nan"), "exact_match_gap_points": None})["loss_gap_relative"][
         "met"]
+
+
+def test_the_round_the_federation_nears_centralized_is_the_first_it_stays_within_the_goal_from():
+    centralized = [{"round": r, "loss": loss} for r, loss in ((0, 3.0), (1, 1.0), (2, 0.8), (3, 0.7), (4, 0.65))]
+    fed = [{"round": r, "loss": loss} for r, loss in ((0, 3.0), (1, 1.5), (2, 0.81), (3, 0.72), (4, 0.66))]
+    assert causal.first_round_within(fed, centralized, relative=0.02) == 4  # round 2 is within 2%, round 3 not
+    assert causal.first_round_within(fed, centralized, relative=0.05) == 2
+    assert causal.first_round_within(fed[:2], centralized, relative=0.02) is None
 
 
 def test_the_stock_app_refuses_an_unknown_task_and_a_full_model_decoder():

@@ -11,7 +11,6 @@ import tomllib
 import pytest
 from flwr.common.config import parse_config_args
 
-from nebula_fl.config import ModelConfig, TrainConfig
 from nebula_fl.wan.profile import parse_profile
 from tests.conftest import REPO, load_script
 
@@ -226,7 +225,7 @@ def test_records_from_metrics_lines_keep_cluster_order_and_only_proxy_counts():
 def test_stock_app_defaults_are_nebula_fls_and_the_run_config_parses(tmp_path):
     config = tomllib.loads((REPO / "benchmarks" / "stock_flower" / "pyproject.toml").read_text())
     defaults = config["tool"]["flwr"]["app"]["config"]
-    for key, value in {**TrainConfig().to_flat(), **ModelConfig().to_flat()}.items():
+    for key, value in {**comm.DEFAULTS.train.to_flat(), **comm.DEFAULTS.model.to_flat()}.items():
         if key in defaults:
             assert defaults[key] == value, key
     assert {"lr", "lr-schedule", "lora-r", "lora-target-modules", "batch-size"} <= set(defaults)
@@ -235,7 +234,7 @@ def test_stock_app_defaults_are_nebula_fls_and_the_run_config_parses(tmp_path):
                                  controls=[tmp_path / "w0.sock", tmp_path / "w1.sock"])
     parsed = parse_config_args([text])
     assert set(parsed) <= set(defaults), set(parsed) - set(defaults)
-    assert parsed["mode"] == "lora" and parsed["seed"] == 3 and parsed["lr"] == TrainConfig().lr
+    assert parsed["mode"] == "lora" and parsed["seed"] == 3 and parsed["lr"] == comm.DEFAULTS.train.lr == 5e-3
     assert parsed["num-server-rounds"] == comm.QUICK.rounds and parsed["max-examples"] == comm.QUICK.max_examples
     assert parsed["wan-control"] == f"{tmp_path / 'w0.sock'},{tmp_path / 'w1.sock'}"
 

@@ -76,3 +76,20 @@ def test_auto_local_steps_is_refused_with_secure_aggregation():
     assert "\n" not in str(err.value)
     assert load_config({"secagg.enabled": True, "comm.codec": "randk:0.1", "local-steps": 4}).train.local_steps == 4
     assert load_config({"local-steps": "auto"}).train.local_steps is None
+
+
+def test_auto_keys_settle_to_the_tasks_own_defaults():
+    """An encoder and a decoder want different rates, warm-ups and lengths: "auto" is the task's, recorded as a
+    number; what a user sets stays."""
+    from nebula_fl.components import settle
+
+    encoder = settle(RunConfig.from_flat({}))
+    assert (encoder.train.lr, encoder.train.lr_warmup_ratio, encoder.model.max_seq_len) == (5e-3, 0.0, 128)
+    decoder = settle(RunConfig.from_flat({"task.name": "causal-lm"}))
+    assert (decoder.train.lr, decoder.train.lr_warmup_ratio, decoder.model.max_seq_len) == (2e-4, 0.03, 1024)
+    assert decoder.model.lora_alpha == 16 and decoder.model.lora_target_modules == "auto"
+    assert settle(RunConfig.from_flat({"lora-r": 32})).model.lora_alpha == 64  # alpha follows the rank
+    mine = settle(RunConfig.from_flat({"task.name": "causal-lm", "lr": 1e-4, "max-seq-len": 512, "lora-alpha": 8}))
+    assert (mine.train.lr, mine.model.max_seq_len, mine.model.lora_alpha) == (1e-4, 512, 8)
+    flat = decoder.to_flat()
+    assert flat["lr"] == 2e-4 and flat["max-seq-len"] == 1024 and "auto" not in (flat["lr-warmup-ratio"],)

@@ -42,6 +42,23 @@ def test_a_file_is_built_once_even_by_processes_asking_together_and_found_by_its
     assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == sorted([found[0].name, again.name])
 
 
+def test_a_files_digest_is_read_once_per_process_while_the_file_is_unchanged(tmp_path, monkeypatch):
+    """The tokenizer and the model of one process both ask for the folder: the file is hashed once, and again
+    only once it changes."""
+    import hashlib
+
+    from nebula_fl.model import gguf_cache
+
+    reads, real = [], hashlib.sha256
+    monkeypatch.setattr(gguf_cache.hashlib, "sha256", lambda: reads.append(1) or real())
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF a")
+    assert gguf_cache.file_digest(gguf) == gguf_cache.file_digest(gguf) == real(b"GGUF a").hexdigest()
+    assert len(reads) == 1
+    gguf.write_bytes(b"GGUF bb")
+    assert gguf_cache.file_digest(gguf) == real(b"GGUF bb").hexdigest() and len(reads) == 2
+
+
 def test_a_build_that_fails_publishes_nothing_and_the_next_one_builds(tmp_path, cache):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")

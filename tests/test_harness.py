@@ -112,7 +112,7 @@ def test_the_public_training_module_hands_out_the_trainers_own_objects():
     assert training.train_steps is inner_loop.train_steps
     assert training.BatchSchedule is inner_loop.BatchSchedule
     assert training.scheduled_lr is inner_loop.scheduled_lr
-    assert set(training.__all__) == {"BatchSchedule", "scheduled_lr", "train_steps"}
+    assert set(training.__all__) == {"BatchSchedule", "scheduled_lr", "train_steps", "warmed_lr"}
 
 
 # -- results -------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr
 
@@ -45,3 +46,27 @@ def test_constant_schedule_and_unknown_schedule():
     assert scheduled_lr(3e-3, progress=0.9, schedule="constant", min_ratio=0.1) == 3e-3
     with pytest.raises(ValueError):
         scheduled_lr(1.0, progress=0.5, schedule="linear", min_ratio=0.1)
+
+
+def test_warm_up_then_cosine_matches_transformers_schedule():
+    """The warmed rate against transformers' own cosine-with-minimum schedule (an independent implementation):
+    equal after the warm-up, and during it one step ahead (ours never trains a step at rate 0)."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    from nebula_fl.clients.inner_loop import warmed_lr
+
+    total, ratio, base, floor = 40, 0.1, 2e-4, 0.1
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=base)
+    reference = get_cosine_with_min_lr_schedule_with_warmup(optimizer, num_warmup_steps=4, num_training_steps=total,
+                                                              min_lr_rate=floor)
+    theirs = []
+    for _ in range(total + 1):
+        theirs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        reference.step()
+    ours = [warmed_lr(base, step=s, total=total, warmup=ratio, schedule="cosine", min_ratio=floor) for s in range(total)]
+    assert ours[:4] == pytest.approx(theirs[1:5])
+    assert ours[4:] == pytest.approx(theirs[4:total])
+    assert ours[0] == pytest.approx(base / 4) and max(ours) == pytest.approx(base)
+    assert warmed_lr(base, step=0, total=total, warmup=0.0, schedule="cosine", min_ratio=floor) == pytest.approx(base)

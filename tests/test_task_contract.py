@@ -126,6 +126,8 @@ def _variant(**attrs) -> type:
     ({"higher_is_better": "yes"}, r"higher_is_better = 'yes'; use True or False"),
     ({"privacy_modes": ("off", "central")}, r"privacy_modes = \('off', 'central'\)"),
     ({"exchange": "lora"}, r"exchange = 'lora'"),
+    ({"defaults": {"lr": 1e-4, "batch-size": 8}}, r"has defaults for \['batch-size'\]; a task's defaults may set "
+                                                  r"only lr, lr-warmup-ratio, max-seq-len"),
 ])
 def test_a_task_class_that_breaks_its_declarations_is_refused_when_loaded(attrs, match):
     check_task_class(_variant(), name="variant", where="task plugin 'variant'")  # the variant itself is fine

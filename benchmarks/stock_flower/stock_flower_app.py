@@ -57,7 +57,7 @@ from nebula_fl.model.evaluation import evaluate
 from nebula_fl.model.loading import build_classifier, build_model, load_tokenizer
 from nebula_fl.model.locate import resolve_model_path
 from nebula_fl.tasks import Task, TaskSetup, make_task
-from nebula_fl.training import BatchSchedule, scheduled_lr, train_steps
+from nebula_fl.training import BatchSchedule, train_steps, warmed_lr
 
 POLL_S = 0.2  # nebula-fl's loop polls for replies every 0.2 s (strategies/base.py); Flower's grid every 3 s
 MODES = ("full", "lora")
@@ -243,8 +243,8 @@ def train(msg: Message, context: Context) -> Message:
         total, before = max(1, int(cfg["num-server-rounds"]) * steps), (rnd - 1) * steps
 
         def lr_at(i: int) -> float:
-            return scheduled_lr(train_cfg.lr, progress=(before + i) / total, schedule=train_cfg.lr_schedule,
-                                min_ratio=train_cfg.lr_min_ratio)
+            return warmed_lr(train_cfg.lr, step=before + i, total=total, warmup=train_cfg.lr_warmup_ratio,
+                             schedule=train_cfg.lr_schedule, min_ratio=train_cfg.lr_min_ratio)
     else:
         optimizer = torch.optim.AdamW(params, lr=float(cfg["full-lr"]))
         lr_at = None

@@ -63,6 +63,16 @@ def scheduled_lr(base: float, *, progress: float, schedule: str, min_ratio: floa
     raise ValueError(f"unknown learning-rate schedule '{schedule}'")
 
 
+def warmed_lr(base: float, *, step: int, total: int, warmup: float, schedule: str, min_ratio: float) -> float:
+    """The rate at inner step `step` (0-based) of `total`: a linear rise over the first ceil(`warmup` x `total`)
+    steps, from base / W at the first to `base` at the W-th (never 0: every step moves), then `schedule` over the
+    steps left, as transformers' ``get_cosine_schedule_with_warmup`` shapes it."""
+    warm = math.ceil(warmup * total) if warmup > 0 else 0
+    if step < warm:
+        return base * (step + 1) / warm
+    return scheduled_lr(base, progress=(step - warm) / max(1, total - warm), schedule=schedule, min_ratio=min_ratio)
+
+
 def classification_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     return nn.functional.cross_entropy(logits, batch["labels"])

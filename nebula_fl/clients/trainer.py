@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from nebula_fl.clients.exchange import Exchange
-from nebula_fl.clients.inner_loop import BatchSchedule, scheduled_lr, train_steps
+from nebula_fl.clients.inner_loop import BatchSchedule, train_steps, warmed_lr
 from nebula_fl.clients.overlap import (
     Ahead,
     Unapplied,
@@ -213,7 +213,9 @@ class ClusterTrainer:
         error = None
         self.proximal = None
         try:
-            train_cfg = TrainConfig.from_flat(config)
+            # the server settles "auto" before it sends; a config from elsewhere gets the task's values here
+            train_cfg = TrainConfig.from_flat(config).settled(task_class(str(config.get("task.name", "classify")))
+                                                              .run_defaults())
             self.setup(config, admission, train_cfg=train_cfg)
             server_round = int(config["server-round"])
             self.last_rounds = int(config.get("num-server-rounds", server_round))
@@ -261,8 +263,8 @@ class ClusterTrainer:
         done_before = (server_round - 1) * cap + first
 
         def lr_at(i: int) -> float:
-            return scheduled_lr(self.base_lr, progress=(done_before + i) / total_steps,
-                                schedule=train_cfg.lr_schedule, min_ratio=train_cfg.lr_min_ratio)
+            return warmed_lr(self.base_lr, step=done_before + i, total=total_steps, warmup=train_cfg.lr_warmup_ratio,
+                             schedule=train_cfg.lr_schedule, min_ratio=train_cfg.lr_min_ratio)
 
         pacer = Pacer(self.ctx.slowdown)
         keep_going = pacer.wrap(None if seconds is None else self._deadline(seconds))
@@ -307,10 +309,10 @@ class ClusterTrainer:
     def setup(self, config: dict[str, Any], admission: Admission, *, train_cfg: TrainConfig) -> None:
         """Build the task's model, tokenised shard and fresh inner state for a federation; no-op if unchanged.
         (`train_cfg`: the round's train section, as `_start_round` parsed it.)"""
-        model_cfg = ModelConfig.from_flat(config)
+        task_name = str(config.get("task.name", "classify"))
+        model_cfg = ModelConfig.from_flat(config).settled(task_class(task_name).run_defaults())
         labels = list(config["labels"])
         asked = PrivacyConfig.from_flat(config)
-        task_name = str(config.get("task.name", "classify"))
         options = {k: v for k, v in config.items() if k.startswith("task.") and k != "task.name"}
         private = admission.mode == "sample"
         self.logical_batch = logical_batch(requested=asked.batch_size if private else None,

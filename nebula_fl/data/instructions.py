@@ -5,13 +5,18 @@ this article about? ... " answered by the topic's name), so a causal LM can be t
 
 - JSONL (``.jsonl``/``.json``, one object per line), a JSON array (Alpaca's own ``.json``) or CSV: instruction
   records with ``instruction``, an optional ``input`` and ``output`` (Alpaca's and FlowerTune's fields; Dolly's
-  ``context``/``response``), ``prompt``/``completion``, a one-exchange conversation (OpenAI ``messages``, ShareGPT
-  ``conversations``), or plain text in a ``text`` field; a file may mix them; other fields are ignored.
+  ``context``/``response``), ``prompt``/``completion``, a conversation (OpenAI ``messages``, ShareGPT
+  ``conversations``; multi-turn ones learn every assistant turn), or plain text in a ``text`` field; a file may mix
+  them; other fields are ignored.
 - ``.txt``: plain text, one document per paragraph (blank-line separated); a folder: every ``*.txt`` below it, one
   document each.
 
 A record's text is its prompt, the instruction then its input after the first blank line (so cutting a long prompt
-to fit cuts the input's end, never the instruction); its label is the output, '' for plain text.
+to fit cuts the input's end, never the instruction); its label is the output, '' for plain text. A multi-turn
+conversation's text holds its turns before the last answer (``encode_turns``); its label is that last answer.
+
+The ``datasets`` library's JSON loader is not used: it types a file by its first rows (a file mixing formats, as
+exports do, fails), and it would add pyarrow and pandas to every host for what a streamed ``json.loads`` does.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +100,7 @@ def _record(where: str, row: dict) -> tuple[str, str] | None:
     """(prompt, answer) of one record, None for a blank one, or a NebulaError naming the record and the fix.
 
     Read, by its fields: a conversation (OpenAI's `messages` of role/content, ShareGPT's `conversations` of
-    from/value) of one user turn and its answer, with an optional system turn first; `prompt`/`completion`;
+    from/value) of user and assistant turns in turn, with an optional system turn first; `prompt`/`completion`;
     Dolly's `instruction`/`context`/`response`; Alpaca's and FlowerTune's `instruction`/`input`/`output` (a `text`
     beside them, FlowerTune's rendering of the same record, is ignored); or plain `text`. Other fields (`id`,
     `category`, ...) are ignored."""
@@ -109,7 +115,7 @@ def _record(where: str, row: dict) -> tuple[str, str] | None:
         if not isinstance(value, str):
             key = next(k for k in keys if row.get(k) not in (None, ""))
             raise NebulaError(f"{where}: '{key}' is {type(value).__name__}, not a string; quote it")
-        get[name] = value.strip()
+        get[name] = _clean(value)
     if get["prompt"] or get["completion"]:
         if not get["prompt"] or not get["completion"]:
             missing = "prompt" if not get["prompt"] else "completion"
@@ -132,8 +138,30 @@ def _record(where: str, row: dict) -> tuple[str, str] | None:
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
 
 
+CONVERSATION = "\x00conversation\x00"
+"""Starts the text of a multi-turn record: its turns before the last answer, as JSON (a NUL never starts a prompt
+read from a file: ``_clean`` drops them). The last answer is the record's label, as for any instruction record."""
+
+
+def encode_turns(turns: Sequence[tuple[str, str]]) -> str:
+    """A multi-turn record's text: (role, content) pairs, the last answer left out (it is the label)."""
+    return CONVERSATION + json.dumps([[role, content] for role, content in turns], ensure_ascii=False)
+
+
+def decode_turns(text: str) -> list[tuple[str, str]] | None:
+    """The turns `encode_turns` wrote, or None for the text of any other record."""
+    if not text.startswith(CONVERSATION):
+        return None
+    return [(str(role), str(content)) for role, content in json.loads(text[len(CONVERSATION):])]
+
+
+def _clean(text: str) -> str:
+    return text.replace("\x00", "").strip()
+
+
 def _conversation(where: str, key: str, turns) -> tuple[str, str]:
-    """A one-exchange conversation as (prompt, answer): the system turn, if any, leads the instruction."""
+    """A conversation as (text, last answer). One exchange is an instruction record (a system turn, if any, leads
+    the instruction); more are a multi-turn record whose every assistant turn is learned (``encode_turns``)."""
     role_key, text_key = ("role", "content") if key == "messages" else ("from", "value")
     if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
         raise NebulaError(f"{where}: '{key}' is not a list of turns; write [{{\"{role_key}\": ..., \"{text_key}\": "
@@ -144,18 +172,20 @@ def _conversation(where: str, key: str, turns) -> tuple[str, str]:
         if role is None or not isinstance(text, str):
             raise NebulaError(f"{where}: turn {number} of '{key}' needs '{role_key}' (system, user or assistant) and "
                               f"a string '{text_key}'")
-        said.append((role, text.strip()))
+        said.append((role, _clean(text)))
     system = [t for r, t in said[:1] if r == "system"]
     rest = said[len(system):]
-    if len(rest) != 2 or [r for r, _ in rest] != ["user", "assistant"]:
-        answers = sum(r == "assistant" for r, _ in rest)
-        raise NebulaError(f"{where}: '{key}' has {len(rest)} turn(s) after the system turn ({answers} by the "
-                          "assistant); one user turn and its answer are read, multi-turn conversations are not "
-                          "supported yet: split them into one record per answer")
-    (_, question), (_, answer) = rest
-    if not question or not answer:
-        raise NebulaError(f"{where}: '{key}' has an empty user or assistant turn")
-    return prompt_text("\n".join([*system, question])), answer
+    expected = ["user", "assistant"] * (len(rest) // 2)
+    if len(rest) < 2 or [r for r, _ in rest] != expected:
+        raise NebulaError(f"{where}: '{key}' has turns {', '.join(r for r, _ in rest) or 'none'} after the system "
+                          "turn; write user and assistant turns in turn, from a user turn to an assistant's answer")
+    if not all(text for _, text in said):
+        number = next(i for i, (_, text) in enumerate(said, start=1) if not text)
+        raise NebulaError(f"{where}: turn {number} of '{key}' is empty; every turn needs text")
+    if len(rest) == 2:
+        (_, question), (_, answer) = rest
+        return prompt_text("\n".join([*system, question])), answer
+    return encode_turns(said[:-1]), said[-1][1]
 
 
 def _jsonl(path: Path) -> list[tuple[str, str]]:

@@ -16,7 +16,7 @@ from typing import Any
 from flwr.common.config import parse_config_args
 
 from nebula_fl.clients.protocol import key_path
-from nebula_fl.components import resolve
+from nebula_fl.components import resolve, settle
 from nebula_fl.config import PRESETS, RunConfig, check_known_keys
 from nebula_fl.data.datasets import plan_partition, resolve_dataset_path
 from nebula_fl.devices import PRECISIONS, check_visible, resolve_precision, server_device, visible_gpus, worker_devices
@@ -321,8 +321,9 @@ def _default_out(preset: str) -> Path:
 
 
 def _check(plan: LaunchPlan) -> None:
-    cfg = plan.config
-    task = resolve(cfg).task  # the task, the strategy and their options: refused here, before anything starts
+    """Refuse the plan before anything starts, and settle its config's task-dependent "auto" keys."""
+    task = resolve(plan.config).task  # the task, the strategy and their options: refused here, before anything starts
+    plan.config = cfg = settle(plan.config)  # the run folder records the task's numbers, not "auto"
     resolve_model_path(cfg.model.model)
     resolve_dataset_path(cfg.data.dataset)
     parts = plan_partition(cfg.data, seed=cfg.federation.seed, num_clusters=plan.clusters, targets=task.targets)

@@ -28,12 +28,21 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "nebula-fl") / "gguf"
 
 
+_DIGESTS: dict[tuple[str, int, int, int], str] = {}
+
+
 def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+    """The file's SHA-256, read once per process while the file is unchanged (size, mtime and inode the same): the
+    tokenizer and the model of one process each ask."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    if key not in _DIGESTS:
+        digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            while chunk := handle.read(1 << 22):
+                digest.update(chunk)
+        _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
 
 
 def dequantised(gguf: Path, *, build: Callable[[Path, Path], None]) -> Path:

@@ -12,6 +12,7 @@ from nebula_fl.errors import NebulaError
 from nebula_fl.model.classifier import SequenceClassifier
 from nebula_fl.model.frozen_a import freeze_shared_a, lora_mode
 from nebula_fl.model.locate import resolve_model_path
+from nebula_fl.model.lora_targets import lora_targets
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -70,21 +71,17 @@ def build_model(cfg: ModelConfig, *, num_labels: int, seed: int, path: Path | No
     """
     path = path or resolve_model_path(cfg.model)
     model = build_classifier(path, num_labels=num_labels, seed=seed)
-    check_positions(model.encoder.config, max_seq_len=cfg.max_seq_len, path=path)
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.encoder.named_modules()}
-    missing = [m for m in cfg.target_modules() if m not in names]
-    if missing:
-        raise NebulaError(
-            f"lora-target-modules names {', '.join(missing)}, which the model in '{path}' does not have; "
-            "for BERT-style models use e.g. 'query,key,value,dense'"
-        )
+    if cfg.max_seq_len is not None:
+        check_positions(model.encoder.config, max_seq_len=cfg.max_seq_len, path=path)
+    targets = lora_targets(model.encoder, cfg, model_type=getattr(model.encoder.config, "model_type", ""),
+                           all_linear=False)
     from peft import LoraConfig, get_peft_model  # (first use here: see peft_state.py)
 
     lora = LoraConfig(
         r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
+        lora_alpha=cfg.alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=cfg.target_modules(),
+        target_modules=targets,
         modules_to_save=[HEAD],
     )
     peft = get_peft_model(model, lora)

@@ -19,7 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
 from nebula_fl.comm.adaptive import BandwidthTracker
-from nebula_fl.components import resolve
+from nebula_fl.components import resolve, settle
 from nebula_fl.config import RunConfig
 from nebula_fl.errors import NebulaError
 from nebula_fl.reports.metric_plot import plot_metric_vs_bytes
@@ -117,8 +117,8 @@ def wait_for_clusters(grid: Grid, *, minimum: int, wanted: int, timeout: float) 
 
 class ServerRun:
     def __init__(self, cfg: RunConfig) -> None:
-        self.cfg = cfg
         self.components = resolve(cfg)  # before the run folder is touched: a bad plug-in or option loses nothing
+        self.cfg = cfg = settle(cfg)  # what the run folder records and every round's message carries
         out = cfg.federation.out_dir or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         self.folder = RunFolder(out)
         self.started = time.monotonic()
@@ -136,6 +136,7 @@ class ServerRun:
             stored = existing.get("run_config")
             if not stored:
                 raise NebulaError(f"cannot resume '{self.folder.path}': it holds no run (no config.json)")
+            stored = {**stored, **settle(RunConfig.from_flat(stored)).to_flat()}  # "auto" as this task reads it
             changed = sorted(k for k in set(stored) | set(flat) if k not in RESUMABLE_CHANGES and stored.get(k) != flat.get(k))
             if changed:
                 raise NebulaError(

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nebula_fl.config import PRIVACY_MODES, ModelConfig, Section, check_int, require
+from nebula_fl.config import PRIVACY_MODES, TASK_DEFAULTS, ModelConfig, Section, check_int, require
 from nebula_fl.data.datasets import TARGETS
 
 if TYPE_CHECKING:
@@ -87,6 +87,9 @@ class Task(ABC):
     Options: ClassVar[type[Section]] = NoOptions
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
     """Run-config keys merged over the generic preset of the same name (``nebula-fl run --task T --preset smoke``)."""
+    defaults: ClassVar[dict[str, Any]] = {"lr": 5e-3, "lr-warmup-ratio": 0.0, "max-seq-len": 128}
+    """What the run config's task-dependent "auto" keys (``config.TASK_DEFAULTS``) mean for this task; a subclass
+    overrides some and inherits the rest (``run_defaults``)."""
 
     def __init__(self, *, options: Mapping[str, Any] | None = None) -> None:
         self.options = self.Options.from_flat(dict(options or {}))
@@ -96,6 +99,17 @@ class Task(ABC):
     @abstractmethod
     def build_model(self, setup: TaskSetup) -> nn.Module:
         """The model, seeded by ``setup.seed``: the same setup gives the same initial weights everywhere."""
+
+    @classmethod
+    def run_defaults(cls) -> dict[str, Any]:
+        """Every key of ``config.TASK_DEFAULTS`` with this task's value (its own ``defaults`` over the base's)."""
+        return {**Task.defaults, **cls.defaults}
+
+    def seq_len(self, setup: TaskSetup) -> int:
+        """`max-seq-len`, or this task's default where the config leaves it "auto" (a run's config is settled
+        before it starts, so this matters to code that builds a task by hand)."""
+        value = setup.model.max_seq_len
+        return int(self.run_defaults()["max-seq-len"] if value is None else value)
 
     def tokenizer(self, setup: TaskSetup):
         from nebula_fl.model.loading import load_tokenizer
@@ -276,6 +290,10 @@ def check_task_class(cls: object, *, name: str, where: str) -> type[Task]:
         raise ValueError(f"{where} defines name = {getattr(cls, 'name', None)!r}, but is registered as '{name}'; "
                          "make them equal")
     _check_contract(cls, where)
+    unknown = sorted(set(getattr(cls, "defaults", {})) - set(TASK_DEFAULTS))
+    if unknown:
+        raise ValueError(f"{where} has defaults for {unknown}; a task's defaults may set only "
+                         f"{', '.join(TASK_DEFAULTS)} (set other keys in a preset)")
     if not (isinstance(cls.Options, type) and issubclass(cls.Options, Section) and cls.Options.PREFIX == "task"):
         raise ValueError(f"{where}'s Options must be a nebula_fl.config.Section dataclass with PREFIX = 'task'")
     return cls

@@ -16,9 +16,8 @@ never its instruction or its answer, a record that cannot fit even so is dropped
 rows, and each set's ``RecordsReport`` counts what happened.
 
 Evaluation: the held-out loss per learned token and its perplexity, and exact match: the share of records with a
-short answer (at most ``task.exact-match-tokens`` tokens) whose every answer token and the end token are the
-model's top prediction given the gold prefix. That is exactly whether greedy decoding reproduces the answer and
-stops (each greedy step sees the same prefix as long as every earlier one matched), computed in one forward pass.
+short answer (at most ``task.exact-match-tokens`` tokens) that greedy decoding answers, once decoded, with the same
+text up to case and whitespace, and how many records that covers.
 """
 
 from __future__ import annotations
@@ -33,9 +32,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from nebula_fl.config import ModelConfig, Section, check_bool, check_int, require
+from nebula_fl.config import Section, check_bool, check_int, require
+from nebula_fl.data.instructions import decode_turns
 from nebula_fl.errors import NebulaError
 from nebula_fl.model.loading import check_positions
+from nebula_fl.model.lora_targets import lora_targets
 from nebula_fl.tasks.base import EXCHANGES, Examples, Task, TaskSetup, check_sizes
 
 if TYPE_CHECKING:
@@ -150,6 +151,74 @@ def prompt_ids(tokenizer, prompt: str, *, template: str) -> list[int]:
     return with_bos(tokenizer, _ids(tokenizer, format_prompt(tokenizer, prompt, template=template)))
 
 
+def _special_ids(tokenizer) -> set[int]:
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return {int(i) for i in tokenizer.all_special_ids} | {int(i) for i, tok in added.items()
+                                                          if getattr(tok, "special", False)}
+
+
+def turn_end(tokenizer, *, template: str) -> list[int]:
+    """The tokens that close an answer, learned after each one: what the chat template writes after an
+    assistant's text, trailing whitespace aside (ChatML's <|im_end|>, Gemma's <end_of_turn>, Llama 3's <|eot_id|>,
+    Mistral's </s>), with EOS after it unless it holds a special token already; under the plain template, EOS.
+    A base model whose template's turn end is not its EOS (Qwen base, Gemma) thus learns the template's."""
+    eos = end_token(tokenizer)
+    if not uses_chat(tokenizer, template):
+        return [eos]
+    probe = "nebula-answer-probe"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": probe}],
+                                         tokenize=False)
+    after = text[text.rindex(probe) + len(probe):].rstrip() if probe in text else ""
+    ids = _ids(tokenizer, after) if after else []
+    return ids if _special_ids(tokenizer) & set(ids) else [*ids, eos]
+
+
+def stop_tokens(tokenizer, *, template: str) -> list[int]:
+    """Where greedy decoding stops: the template's turn-end token (the first special one it writes) and EOS."""
+    special = _special_ids(tokenizer)
+    first = [t for t in turn_end(tokenizer, template=template) if t in special][:1]
+    return list(dict.fromkeys([*first, end_token(tokenizer)]))
+
+
+def conversation_pieces(tokenizer, turns: Sequence[tuple[str, str]], answer: str, *, template: str,
+                        end: list[int] | None = None) -> list[tuple[list[int], bool]]:
+    """A multi-turn record as (token ids, learned) pieces: the template's text up to each answer masked, and each
+    assistant turn with its turn end learned. Under a chat template the pieces are cut from the template rendered
+    over the whole conversation (each answer's prefix is the template's own rendering of the turns before it with
+    the generation prompt, as ``generate`` feeds a prompt), so what is learned is what the model will say."""
+    messages = [*turns, ("assistant", answer)]
+    end = turn_end(tokenizer, template=template) if end is None else end  # (`end`: the caller's, computed once)
+    pieces: list[tuple[list[int], bool]] = []
+    if not uses_chat(tokenizer, template):
+        system = [c for r, c in messages[:1] if r == "system"]
+        lead = f"{system[0]}\n\n" if system else ""
+        for role, content in messages[len(system):]:
+            if role == "user":
+                pieces.append((_ids(tokenizer, lead + PLAIN_TEMPLATE.format(prompt=content)), False))
+                lead = ""
+            else:
+                pieces.append(([*_ids(tokenizer, content), *end], True))
+    else:
+        done = ""
+        for k, (role, content) in enumerate(messages):
+            if role != "assistant":
+                continue
+            history = [{"role": r, "content": c} for r, c in messages[:k]]
+            prefix = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+            if not prefix.startswith(done):
+                raise NebulaError("the model's chat template renders a conversation's earlier turns differently once "
+                                  "later turns follow, so no one rendering serves every answer; split each "
+                                  "conversation into one record per answer, or set task.template='plain'")
+            pieces.append((_ids(tokenizer, prefix[len(done):]), False))
+            pieces.append(([*_ids(tokenizer, content), *end], True))
+            full = tokenizer.apply_chat_template([*history, {"role": "assistant", "content": content}],
+                                                 tokenize=False)
+            done = full.rstrip()
+    first, learned = pieces[0]
+    pieces[0] = (with_bos(tokenizer, first), learned)
+    return pieces
+
+
 def fit_prompt(tokenizer, prompt: str, *, template: str, budget: int) -> tuple[list[int] | None, bool]:
     """(the formatted prompt's ids in at most `budget` tokens, whether its input was cut), or (None, False) when
     even its instruction alone does not fit. A prompt is its instruction, then its input after the first blank
@@ -185,7 +254,12 @@ class RecordsReport:
     cut: int = 0
     """Instruction records whose input was shortened to fit (the instruction and the answer whole)."""
     dropped: int = 0
-    """Instruction records left out: the instruction and the answer alone are longer than `max-seq-len`."""
+    """Instruction records left out: the instruction and the answer alone are longer than `max-seq-len` (for a
+    conversation: its first exchange)."""
+    conversations: int = 0
+    """Multi-turn records (every assistant turn learned)."""
+    turns_cut: int = 0
+    """Multi-turn records shortened to fit: their later exchanges left out, every kept answer whole."""
     text_tokens: int = 0
     """Tokens of the plain-text records (each document's with its BOS and EOS)."""
     text_tokens_kept: int = 0
@@ -194,8 +268,9 @@ class RecordsReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"max_seq_len": self.max_len, "records": self.records, "rows": self.rows, "inputs_cut": self.cut,
-                "dropped": self.dropped, "text_tokens": self.text_tokens, "text_tokens_kept": self.text_tokens_kept,
-                "packed": self.packed}
+                "dropped": self.dropped, "conversations": self.conversations,
+                "conversations_shortened": self.turns_cut, "text_tokens": self.text_tokens,
+                "text_tokens_kept": self.text_tokens_kept, "packed": self.packed}
 
     def describe(self) -> str:
         parts = [f"{self.records:,} record(s) -> {self.rows:,} row(s) of at most {self.max_len} tokens"]
@@ -203,6 +278,9 @@ class RecordsReport:
             parts.append(f"{self.cut:,} with their input shortened to fit (instruction and answer whole)")
         if self.dropped:
             parts.append(f"{self.dropped:,} dropped: instruction and answer alone exceed max-seq-len")
+        if self.turns_cut:
+            parts.append(f"{self.turns_cut:,} of {self.conversations:,} conversations shortened to their first "
+                         "exchanges that fit (each kept answer whole)")
         if self.text_tokens:
             how = "packed" if self.packed else "one row per document (per-example DP), cut at max-seq-len"
             parts.append(f"plain text {how}: {self.text_tokens_kept:,} of {self.text_tokens:,} tokens kept")
@@ -222,44 +300,81 @@ class CausalRecords:
 
     def __init__(self, tokenizer, prompts: Sequence[str], answers: Sequence[str], *, max_len: int, objective: str,
                  template: str, exact_match_tokens: int, pack: bool = True) -> None:
+        self.tokenizer = tokenizer  # exact match decodes what the model generates
         self.pad_id, self.eos = pad_token(tokenizer), end_token(tokenizer)
-        eos = self.eos
+        instruct = objective == "instruct"
+        end = turn_end(tokenizer, template=template) if instruct else [self.eos]
+        self.stops = stop_tokens(tokenizer, template=template) if instruct else [self.eos]
+        self.end_len = len(end)
         self.ids: list[np.ndarray] = []
         self.labels: list[np.ndarray] = []
-        self.exact: list[bool] = []  # whether the record counts towards exact match
+        self.answers: list[str | None] = []  # a short answer, which exact match compares a generated one with
+        self.prompt_lens: list[int] = []  # the masked prompt before it
         self.report = RecordsReport(max_len=max_len, records=len(prompts), packed=pack)
         stream: list[int] = []
         for prompt, answer in zip(prompts, answers, strict=True):
-            answer = str(answer)
-            if objective == "pretrain" or not answer:
+            answer, turns = str(answer), decode_turns(prompt)
+            self.report.conversations += turns is not None
+            if turns is not None and answer:
+                pieces = conversation_pieces(tokenizer, turns, answer, template=template,
+                                             end=end if instruct else None)
+                if instruct:
+                    self._add_conversation(pieces, max_len=max_len)
+                    continue
+                document = [t for ids, _ in pieces for t in ids]
+            elif not instruct or not answer:
                 text = f"{prompt}\n\n{answer}" if answer else prompt
-                document = [*with_bos(tokenizer, _ids(tokenizer, text)), eos]
-                self.report.text_tokens += len(document)
-                if pack:
-                    stream.extend(document)
-                else:
-                    self._add(document[:max_len], learn_from=0, exact=False)
+                document = [*with_bos(tokenizer, _ids(tokenizer, text)), self.eos]
+            else:
+                answer_ids = _ids(tokenizer, answer)
+                target = [*answer_ids, *end]
+                ids, cut = fit_prompt(tokenizer, prompt, template=template, budget=max_len - len(target))
+                if ids is None:
+                    self.report.dropped += 1
+                    continue
+                self.report.cut += int(cut)
+                self._add(ids + target, learn_from=len(ids),
+                          answer=answer if len(answer_ids) <= exact_match_tokens else None)
                 continue
-            target = [*_ids(tokenizer, answer), eos]
-            ids, cut = fit_prompt(tokenizer, prompt, template=template, budget=max_len - len(target))
-            if ids is None:
-                self.report.dropped += 1
-                continue
-            self.report.cut += int(cut)
-            self._add(ids + target, learn_from=len(ids), exact=len(target) - 1 <= exact_match_tokens)
+            self.report.text_tokens += len(document)
+            if pack:
+                stream.extend(document)
+            else:
+                self._add(document[:max_len], learn_from=0)
         for start in range(0, len(stream), max_len):
-            self._add(stream[start : start + max_len], learn_from=0, exact=False)
+            self._add(stream[start : start + max_len], learn_from=0)
         self.report.rows = len(self.ids)
 
-    def _add(self, ids: list[int], *, learn_from: int, exact: bool) -> None:
-        if not learn_from:
+    def _add_conversation(self, pieces: list[tuple[list[int], bool]], *, max_len: int) -> None:
+        """A multi-turn record up to its last answer that fits whole: later exchanges are left out and counted;
+        a record whose first answer does not fit is dropped."""
+        ids: list[int] = []
+        labels: list[int] = []
+        kept = 0
+        for piece, learned in pieces:
+            if len(ids) + len(piece) > max_len:
+                break
+            ids += piece
+            labels += piece if learned else [IGNORE] * len(piece)
+            kept = len(ids) if learned else kept
+        if not kept:
+            self.report.dropped += 1
+            return
+        self.report.turns_cut += kept < sum(len(piece) for piece, _ in pieces)
+        self._add(ids[:kept], labels=labels[:kept])
+
+    def _add(self, ids: list[int], *, learn_from: int = 0, labels: list[int] | None = None,
+             answer: str | None = None) -> None:
+        if labels is None and not learn_from:
             self.report.text_tokens_kept += len(ids)
         if len(ids) < 2:  # a row learns from its second token on: one token alone gets the end token after it
             ids = [*ids, self.eos]
-        labels = [IGNORE] * learn_from + ids[learn_from:]
+        if labels is None:
+            labels = [IGNORE] * learn_from + ids[learn_from:]
         self.ids.append(np.asarray(ids, dtype=np.int64))
         self.labels.append(np.asarray(labels, dtype=np.int64))
-        self.exact.append(exact)
+        self.answers.append(answer)
+        self.prompt_lens.append(learn_from)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -274,12 +389,11 @@ class CausalRecords:
         ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
         labels = np.full((len(rows), width), IGNORE, dtype=np.int64)
         mask = np.zeros((len(rows), width), dtype=np.int64)
-        exact = np.zeros(len(rows), dtype=bool)
         for j, i in enumerate(rows):
             n = len(self.ids[i])
-            ids[j, :n], labels[j, :n], mask[j, :n], exact[j] = self.ids[i], self.labels[i], 1, self.exact[i]
+            ids[j, :n], labels[j, :n], mask[j, :n] = self.ids[i], self.labels[i], 1
         batch = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask),
-                 "labels": torch.from_numpy(labels), "exact": torch.from_numpy(exact)}
+                 "labels": torch.from_numpy(labels)}
         return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -306,6 +420,40 @@ def example_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.T
     return (ce * mask).sum(1), mask.sum(1)
 
 
+def normalise_answer(text: str) -> str:
+    """An answer as exact match compares it: case folded, whitespace runs as one space, none at the ends."""
+    return " ".join(text.casefold().split())
+
+
+def generated_exact_match(model: nn.Module, records: CausalRecords, *, batch_size: int,
+                          max_new_tokens: int) -> tuple[int, int]:
+    """(hits, records scored): each record with a short answer is answered by greedy decoding from its prompt
+    (left-padded batches, stopped at the turn end or EOS), decoded and compared normalised with its answer."""
+    from transformers import GenerationConfig
+
+    rows = [i for i, answer in enumerate(records.answers) if answer is not None]
+    config = GenerationConfig(do_sample=False, num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0,
+                              min_new_tokens=0, max_new_tokens=max_new_tokens, eos_token_id=records.stops,
+                              pad_token_id=records.pad_id)
+    device = next(model.parameters()).device
+    hits = 0
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        prompts = [records.ids[i][: records.prompt_lens[i]] for i in chunk]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(chunk), width), records.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for j, prompt in enumerate(prompts):  # left padding: every row's answer starts at the same column
+            ids[j, width - len(prompt):], mask[j, width - len(prompt):] = torch.from_numpy(prompt), 1
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
+        for j, i in enumerate(chunk):
+            new = [int(t) for t in out[j, width:]]
+            stop = next((k for k, t in enumerate(new) if t in records.stops), len(new))
+            text = records.tokenizer.decode(new[:stop], skip_special_tokens=True)
+            hits += normalise_answer(text) == normalise_answer(str(records.answers[i]))
+    return hits, len(rows)
+
+
 class CausalLMTask(Task):
     name = "causal-lm"
     exchange = "adapter"
@@ -315,6 +463,9 @@ class CausalLMTask(Task):
     higher_is_better = False
     privacy_modes = ("off", "sample", "client")
     Options = CausalLMOptions
+    # The decoder LoRA recipes' rate (QLoRA, TRL's examples: 1e-4 to 2e-4) with their 3% warm-up, and TRL's
+    # default length, which holds most instruction records whole (the BBC view cuts 9 inputs of 2,225 at 2,048)
+    defaults: ClassVar[dict[str, Any]] = {"lr": 2e-4, "lr-warmup-ratio": 0.03, "max-seq-len": 1024}
     presets: ClassVar[dict[str, dict[str, Any]]] = {
         # Every code path in seconds: a 1-layer Llama of width 64 with MiniLM's tokenizer, LoRA on it.
         "smoke": {
@@ -358,7 +509,7 @@ class CausalLMTask(Task):
         o, tokenizer = self.opts, self.tokenizer(setup)
         config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=o.hidden, num_hidden_layers=o.layers,
                              num_attention_heads=o.heads, num_key_value_heads=o.heads, intermediate_size=o.intermediate,
-                             max_position_embeddings=max(setup.model.max_seq_len, 8), tie_word_embeddings=True,
+                             max_position_embeddings=max(self.seq_len(setup), 8), tie_word_embeddings=True,
                              pad_token_id=pad_token(tokenizer), eos_token_id=end_token(tokenizer), bos_token_id=None)
         return LlamaForCausalLM(config).to(self._dtype())
 
@@ -390,7 +541,7 @@ class CausalLMTask(Task):
         except (OSError, ValueError) as err:
             raise NebulaError(f"could not load '{setup.path}' as a causal LM: {str(err).splitlines()[0]}; "
                               f"{fix}") from None
-        check_positions(model.config, max_seq_len=setup.model.max_seq_len, path=setup.path)
+        check_positions(model.config, max_seq_len=self.seq_len(setup), path=setup.path)
         return model
 
     def _quantised(self, setup: TaskSetup) -> dict[str, Any]:
@@ -430,8 +581,8 @@ class CausalLMTask(Task):
         elif self.opts.gradient_checkpointing:
             model.enable_input_require_grads()  # a frozen embedding's output must carry gradients to the LoRA layers
 
-        targets = lora_targets(model, setup.model)
-        lora = LoraConfig(task_type=TaskType.CAUSAL_LM, r=setup.model.lora_r, lora_alpha=setup.model.lora_alpha,
+        targets = lora_targets(model, setup.model, model_type=getattr(model.config, "model_type", ""))
+        lora = LoraConfig(task_type=TaskType.CAUSAL_LM, r=setup.model.lora_r, lora_alpha=setup.model.alpha,
                           lora_dropout=setup.model.lora_dropout,  # PEFT reads 'all-linear' only as a bare string
                           target_modules="all-linear" if targets == ["all-linear"] else targets)
         peft = get_peft_model(model, lora)
@@ -442,13 +593,13 @@ class CausalLMTask(Task):
     # -- data, loss, evaluation ---------------------------------------------------------------------------
     def examples(self, *, setup: TaskSetup, tokenizer, texts: Sequence[str], labels: np.ndarray,
                  train: bool) -> CausalRecords:
-        records = CausalRecords(tokenizer, texts, [str(a) for a in labels], max_len=setup.model.max_seq_len,
+        records = CausalRecords(tokenizer, texts, [str(a) for a in labels], max_len=self.seq_len(setup),
                                 objective=self.opts.objective, template=self.opts.template,
                                 exact_match_tokens=self.opts.exact_match_tokens,
                                 pack=not (train and setup.privacy_mode == "sample"))
         if texts and not len(records):
             raise NebulaError(f"every one of the {len(texts):,} records is longer than max-seq-len "
-                              f"({setup.model.max_seq_len}) with its instruction and answer alone; raise max-seq-len")
+                              f"({self.seq_len(setup)}) with its instruction and answer alone; raise max-seq-len")
         return records
 
     def private_examples(self, data: Examples) -> PerExample:
@@ -469,6 +620,12 @@ class CausalLMTask(Task):
     def prompt_ids(self, tokenizer, prompt: str) -> list[int]:
         """`format_prompt`'s text as token ids, with BOS where training puts one (for generation)."""
         return with_bos(tokenizer, _ids(tokenizer, self.format_prompt(tokenizer, prompt)))
+
+    def stop_tokens(self, tokenizer) -> list[int]:
+        """Where generation stops: the chat template's turn end and EOS (EOS alone for plain or raw text)."""
+        if self.opts.objective == "pretrain":
+            return [end_token(tokenizer)]
+        return stop_tokens(tokenizer, template=self.opts.template)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The mean loss over the batch's learned tokens (TRL's and transformers' convention: a long answer counts
@@ -491,24 +648,23 @@ class CausalLMTask(Task):
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, data: Examples, *, batch_size: int) -> dict[str, float]:
-        """Loss per learned token over the whole set, its perplexity, exact match over the short answers (NaN when
-        the set has none, e.g. plain text), how many records exact match covers and how many tokens were scored."""
+        """Loss per learned token over the whole set and its perplexity; exact match: the share of the records with
+        a short answer whose greedy generation, decoded, equals the answer up to case and whitespace (NaN when
+        the set has none, e.g. plain text), with how many records it covers; and how many tokens were scored."""
+        records: CausalRecords = data  # type: ignore[assignment]
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
-        total, tokens, hits, answers = 0.0, 0, 0, 0
+        total, tokens = 0.0, 0
         try:
-            for start in range(0, len(data), batch_size):
-                batch = data.batch(np.arange(start, min(start + batch_size, len(data))), device)
+            for start in range(0, len(records), batch_size):
+                batch = records.batch(np.arange(start, min(start + batch_size, len(records))), device)
                 logits, targets = shifted_logits(model, batch)
                 summed, counts = example_losses(logits, targets)
                 total += float(summed.sum())
                 tokens += int(counts.sum())
-                learned = targets != IGNORE
-                right = ((logits.argmax(-1) == targets) | ~learned).all(1)
-                exact = batch["exact"]
-                hits += int((right & exact).sum())
-                answers += int(exact.sum())
+            hits, answers = generated_exact_match(model, records, batch_size=batch_size,
+                                                  max_new_tokens=self.opts.exact_match_tokens + records.end_len)
         finally:
             model.train(was_training)
         if tokens == 0:
@@ -517,26 +673,3 @@ class CausalLMTask(Task):
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
                 "exact-match": hits / answers if answers else float("nan"), "exact-match-records": float(answers),
                 "tokens": float(tokens)}
-
-
-def lora_targets(model: nn.Module, cfg: ModelConfig) -> list[str]:
-    """The modules LoRA wraps: `lora-target-modules`, or, while it holds the BERT default this model lacks, PEFT's
-    defaults for the architecture (Llama: q_proj, v_proj)."""
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
-
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    wanted = cfg.target_modules()
-    if wanted == ["all-linear"]:
-        return wanted
-    missing = [m for m in wanted if m not in names]
-    model_type = getattr(getattr(model, "config", None), "model_type", "")
-    if missing and cfg.lora_target_modules == ModelConfig().lora_target_modules:  # the user named none
-        if model_type in DEFAULTS:
-            return list(DEFAULTS[model_type])
-        raise NebulaError(f"lora-target-modules is not set and PEFT has no default for this "
-                          f"{model_type or 'model'}; set it to some of its linear layers (e.g. q_proj,v_proj) or "
-                          "'all-linear'")
-    if missing:
-        raise NebulaError(f"lora-target-modules names {', '.join(missing)}, which this {model_type or 'model'} does "
-                          f"not have; name some of its linear layers (e.g. q_proj,v_proj) or 'all-linear'")
-    return wanted

@@ -37,7 +37,7 @@ class ClassifyTask(Task):
 
     def examples(self, *, setup: TaskSetup, tokenizer, texts: Sequence[str], labels: np.ndarray,
                  train: bool) -> TokenizedTexts:
-        return TokenizedTexts(tokenizer, texts, labels, max_len=setup.model.max_seq_len)
+        return TokenizedTexts(tokenizer, texts, labels, max_len=self.seq_len(setup))
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])

@@ -168,7 +168,7 @@ class DistillTask(Task):
 
     def examples(self, *, setup: TaskSetup, tokenizer, texts: Sequence[str], labels: np.ndarray,
                  train: bool) -> Examples:
-        data = TokenizedTexts(tokenizer, texts, labels, max_len=setup.model.max_seq_len)
+        data = TokenizedTexts(tokenizer, texts, labels, max_len=self.seq_len(setup))
         if not train or self.opts.alpha == 0.0:  # evaluation, or plain cross-entropy: no teacher needed
             return data
         teacher = self.teacher(setup=setup, texts=texts, labels=np.asarray(labels))

@@ -168,7 +168,7 @@ class MLMTask(Task):
         o = self.opts
         return BertConfig(vocab_size=len(tokenizer), hidden_size=o.hidden, num_hidden_layers=o.layers,
                           num_attention_heads=o.heads, intermediate_size=o.intermediate,
-                          max_position_embeddings=max(setup.model.max_seq_len, 8),
+                          max_position_embeddings=max(self.seq_len(setup), 8),
                           pad_token_id=int(tokenizer.pad_token_id or 0))
 
     def build_model(self, setup: TaskSetup) -> nn.Module:
@@ -182,7 +182,7 @@ class MLMTask(Task):
 
     def examples(self, *, setup: TaskSetup, tokenizer, texts: Sequence[str], labels: np.ndarray,
                  train: bool) -> MaskedTexts:
-        return MaskedTexts(tokenizer, texts, max_len=setup.model.max_seq_len, mask_prob=self.opts.mask_prob,
+        return MaskedTexts(tokenizer, texts, max_len=self.seq_len(setup), mask_prob=self.opts.mask_prob,
                            fixed_seed=None if train else EVAL_MASK_SEED + setup.seed)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
