@@ -384,7 +384,7 @@ def goals_table(results: dict) -> Any:
     shown = table("figures vs goals", ("figure", "measured", "goal", "met"))
     for key, g in results["goals"].items():
         fmt = ".4f" if "relative" in key else ".2f"
-        shown.add_row(key, _num(g["value"], fmt), g["goal"].replace("<=", "≤"), "yes" if g["met"] else "[bold red]MISSED[/]")
+        shown.add_row(key, _num(g["value"], fmt), g["goal"].replace("<=", "≤").replace(">=", "≥"), "yes" if g["met"] else "[bold red]MISSED[/]")
     for key in ("first_round_within_loss_goal", "bytes_ratio_vs_flower_lora", "bytes_ratio_vs_flower_lora_from_round_2",
                 "bytes_ratio_vs_flower_lora_compressed", "loss_cost_relative_compressed",
                 "exact_match_cost_points_compressed", "exact_match_resolution_points"):

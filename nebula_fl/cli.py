@@ -48,8 +48,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    "this many times as long, the extra asleep; one value or one per cluster, e.g. 1,4 (default 1)")
     p.add_argument("--threads-per-cluster", help="torch threads per worker: one value or one per cluster, e.g. 2,1 "
                    "(default: the machine's cores shared evenly by every worker)")
-    p.add_argument("--task", help="what to train: classify (default), mlm (pre-training), distill, or an installed "
-                   "plugin's name (sets task.name; --preset then adds the task's own preset)")
+    p.add_argument("--task", help="what to train: classify (default), mlm (pre-training), distill, causal-lm (a "
+                   "decoder: instruction tuning or pre-training), or an installed plugin's name (sets task.name; "
+                   "--preset then adds the task's own preset)")
     p.add_argument("--outer-optimizer", help=f"server optimizer: {', '.join(OUTER_OPTIMIZERS)}, flwr:<Class> (one of "
                    "Flower's strategies, e.g. flwr:FedYogi; its options as strategy.* keys) or an installed plugin's")
     p.add_argument("--partition", help="iid or dirichlet:ALPHA")

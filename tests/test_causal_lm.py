@@ -567,3 +567,17 @@ def test_max_seq_len_is_bounded_by_the_models_own_positions(minilm, tiny_model):
         check_positions(SimpleNamespace(max_position_embeddings=8192), max_seq_len=8193, path="m")
     with pytest.raises(NebulaError, match="has 128 positions"):  # the tiny BERT of the tests
         build_model(ModelConfig(model=str(tiny_model), max_seq_len=129), num_labels=2, seed=0)
+
+
+def test_under_per_example_dp_a_dropped_record_keeps_a_row_that_learns_nothing(tok, decoder):
+    """Opacus samples rows and the accounting counts records: a record too long for max-seq-len is dropped from
+    learning (and counted) but keeps its row, whose loss is 0 and still counts in the per-record mean."""
+    too_long = " ".join(f"long{i}" for i in range(60))
+    recs = _records(tok, ["Say it.", "Name the topic."], [too_long, "business"], max_len=24, pack=False)
+    assert len(recs) == 2 and recs.report.dropped == 1 and (recs.labels[0] == IGNORE).all()
+    task = make_task("causal-lm", SCRATCH)
+    batch = recs.batch([0, 1])
+    alone = _records(tok, ["Name the topic."], ["business"], max_len=24, pack=False)
+    with torch.no_grad():
+        both, single = task.record_loss(decoder, batch), task.record_loss(decoder, alone.batch([0]))
+    torch.testing.assert_close(both, single / 2)  # (0 + the real record's mean) / 2 records

@@ -230,3 +230,37 @@ def test_a_task_that_breaks_the_contract_stops_the_run_with_exit_2_before_anythi
             load({"task.name": "no-rmse"})
     finally:
         take_off_path(site, "broken_contract_task")
+
+
+def test_an_option_the_task_does_not_read_is_refused_naming_the_key_it_meant():
+    """`Task(options=...)` once read only the keys it knew and dropped the rest silently: a key without its
+    "task." prefix did nothing."""
+    from nebula_fl.errors import ConfigError
+    from nebula_fl.tasks import make_task
+
+    with pytest.raises(ConfigError, match=r"unknown option 'mask-prob' for task 'mlm'; did you mean 'task.mask-prob'\?"):
+        make_task("mlm", {"mask-prob": 0.2})
+    with pytest.raises(ConfigError, match=r"unknown option 'task.mask-prob' for task 'classify'; task 'classify' "
+                                          r"reads none"):
+        make_task("classify", {"task.mask-prob": 0.2})
+    assert make_task("mlm", {"task.mask-prob": 0.2}).options.mask_prob == 0.2
+
+
+def test_an_adapter_task_whose_model_is_not_the_peft_model_is_told_what_to_return(tiny_model):
+    """exchange = 'adapter' reads the adapter from PEFT's own model; a model that wraps it was an AttributeError on
+    'peft_config' deep in the exchange."""
+    from torch import nn
+
+    from nebula_fl.errors import NebulaError
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+
+    task = ClassifyTask()
+    with pytest.raises(NebulaError, match=r"task 'classify' declares exchange = 'adapter', but its build_model "
+                                          r"returned a Wrapper, not the PEFT model: .* or declare exchange = 'full'"):
+        task.exchanged(Wrapper())
+    with pytest.raises(NebulaError, match="returned a Wrapper"):
+        task.load_exchanged(Wrapper(), {})

@@ -130,3 +130,13 @@ def test_the_task_preset_is_merged_over_the_generic_one(tmp_path):
     for key, value in make_task("mlm").presets["smoke"].items():
         assert flat[key] == value, key
     assert flat["max-examples"] == make_task("mlm").presets["smoke"].get("max-examples", 300)
+
+
+def test_run_help_names_every_built_in_task():
+    """`nebula-fl run --help` is where a user looks for what can be trained: every built-in task is listed."""
+    from nebula_fl.cli import parser
+    from nebula_fl.tasks import TASKS
+
+    run = next(a for a in parser()._subparsers._group_actions[0].choices.items() if a[0] == "run")[1]
+    text = next(a.help for a in run._actions if "--task" in a.option_strings)
+    assert all(name in text for name in TASKS._builtins()), text

@@ -13,6 +13,7 @@ cluster with the same one-line error.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from torch import nn
 
 from nebula_fl.config import PRIVACY_MODES, TASK_DEFAULTS, ModelConfig, Section, check_int, require
 from nebula_fl.data.datasets import TARGETS
+from nebula_fl.errors import ConfigError, NebulaError
 
 if TYPE_CHECKING:
     from nebula_fl.privacy.sample_dp import PerExample
@@ -92,7 +94,14 @@ class Task(ABC):
     overrides some and inherits the rest (``run_defaults``)."""
 
     def __init__(self, *, options: Mapping[str, Any] | None = None) -> None:
-        self.options = self.Options.from_flat(dict(options or {}))
+        given = dict(options or {})
+        known = self.Options.flat_keys()
+        for key in given:  # a key this task does not read (a missing "task." prefix, a typo) is refused, not ignored
+            if key not in known:
+                close = [f"task.{key}"] if f"task.{key}" in known else difflib.get_close_matches(str(key), known, n=1)
+                hint = f"did you mean '{close[0]}'?" if close else f"task '{self.name}' reads {sorted(known) or 'none'}"
+                raise ConfigError(f"unknown option {key!r} for task '{self.name}'; {hint}")
+        self.options = self.Options.from_flat(given)
         self.global_weights: Mapping[str, torch.Tensor] = {}  # the round's, from ``begin_round``
 
     # -- the model -----------------------------------------------------------------------------------
@@ -181,7 +190,7 @@ class Task(ABC):
         if self.exchange == "adapter":
             from nebula_fl.model.adapter import adapter_arrays
 
-            return adapter_arrays(model)
+            return adapter_arrays(self._peft(model))
         return {k: whole(p.detach()).cpu().float().numpy().copy() for k, p in model.named_parameters()
                 if p.requires_grad}
 
@@ -192,7 +201,7 @@ class Task(ABC):
         if self.exchange == "adapter":
             from nebula_fl.model.adapter import adapter_parameters
 
-            return adapter_parameters(model)
+            return adapter_parameters(self._peft(model))
         return {k: p for k, p in model.named_parameters() if p.requires_grad}
 
     def load_exchanged(self, model: nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
@@ -200,7 +209,7 @@ class Task(ABC):
         if self.exchange == "adapter":
             from nebula_fl.model.adapter import load_adapter_arrays
 
-            load_adapter_arrays(model, arrays)
+            load_adapter_arrays(self._peft(model), arrays)
             return
         from nebula_fl.comm.validation import check_arrays
         from nebula_fl.model.sharding import shard_like
@@ -210,6 +219,15 @@ class Task(ABC):
         with torch.no_grad():
             for k, p in params.items():
                 p.copy_(shard_like(p, torch.as_tensor(np.asarray(arrays[k]), dtype=p.dtype, device=p.device)))
+
+    def _peft(self, model: nn.Module) -> nn.Module:
+        """`model` itself when it is the PEFT model that exchange = "adapter" reads the adapter from, else a
+        one-line error saying what to return instead."""
+        if not hasattr(model, "peft_config"):
+            raise NebulaError(f"task '{self.name}' declares exchange = 'adapter', but its build_model returned a "
+                              f"{type(model).__name__}, not the PEFT model: return get_peft_model(...)'s result "
+                              "itself (wrap it in nothing), or declare exchange = 'full' for a model that wraps one")
+        return model
 
     def fingerprint(self, model: nn.Module) -> str:
         """A hash of what every side must share but never sends (frozen LoRA A); '' if nothing."""
