@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.nebula-installed
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast lint docs bench clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# The docs site into site/ (open site/index.html); --strict: a broken link or reference is an error. The suite
+# builds it too (tests/test_docs.py).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	@echo "docs: open site/index.html"
+
 # Tests run on TEST_WORKERS processes (pytest-xdist); a federation's tests that share one run stay on one worker
 # (loadgroup). The 15 slowest are listed at the end, so the slow end of the suite stays in sight.
 TEST_WORKERS ?= 2
@@ -46,4 +52,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/centralized_vs_federated.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs site .pytest_cache .ruff_cache

@@ -87,7 +87,7 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--socket", help="Unix socket path the ClientApp connects to (node 0 of a cluster only)")
     p.add_argument("--socket-group", metavar="GROUP",
                    help="a group (name or id) whose members may connect to the socket: the SuperNode's user, when the "
-                   "trainer runs as its own user (README: Deploying a cluster); default: this user only")
+                   "trainer runs as its own user (docs: Across machines, Deploying a cluster); default: this user only")
     p.add_argument("--cluster-id", type=int, default=0, help="this cluster's id (shown in the server's metrics)")
     p.add_argument("--workers", type=int, help="data-parallel workers (DDP ranks) on this machine (default 1; under "
                    "torchrun its --nproc-per-node)")

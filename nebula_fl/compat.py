@@ -16,7 +16,7 @@ from nebula_fl import __version__
 
 PROTOCOL = 1
 RECORD = "nebula"  # the ConfigRecord of every reply that names the cluster's install
-UPGRADE = "install the same nebula-fl on the server and every cluster (README: Upgrading a federation)"
+UPGRADE = "install the same nebula-fl on the server and every cluster (docs: Across machines, Upgrading a federation)"
 
 
 def stamp() -> dict[str, Any]:

@@ -16,6 +16,22 @@ from nebula_fl.model.tiny import build_tiny_model
 REPO = Path(__file__).resolve().parents[1]
 
 
+def docs_block(page: str, starts: str) -> list[list[str]]:
+    """The commands of the docs page's shell block whose first command starts with `starts`, each as its argv
+    (comments and continuation lines joined): what a test runs when the page says the test runs it."""
+    import re
+    import shlex
+
+    text = (REPO / "docs" / page).read_text()
+    for body in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        joined = re.sub(r"\\\n\s*", " ", body)
+        commands = [shlex.split(line, comments=True) for line in joined.splitlines()]
+        commands = [c for c in commands if c]
+        if commands and " ".join(commands[0]).startswith(starts):
+            return commands
+    raise AssertionError(f"docs/{page} has no shell block starting with {starts!r}")
+
+
 def load_script(name: str, path: Path):
     """A benchmark script by path: `benchmarks` is not a package here, and Opacus installs one of that name. Its
     folder is on sys.path while it loads (scripts import harness and the like from beside themselves)."""

@@ -27,7 +27,7 @@ import pytest
 from nebula_fl.config import PRESETS, RunConfig
 from nebula_fl.launcher.federation import child_env, write_app
 from nebula_fl.security import make_certificates
-from tests.conftest import nebula_cmd, still_running
+from tests.conftest import docs_block, nebula_cmd, still_running
 from tests.netns import Hosts
 
 ROUNDS = 6  # a SIGKILLed SuperNode is refused for ~60 s (Flower's heartbeat patience): the run outlasts that
@@ -64,13 +64,17 @@ def test_three_sites_on_their_own_hosts_under_tls_auth_and_secure_aggregation_su
         procs.append(proc)
         return proc
 
+    # the commands the across-machines page gives, with this test's files in place of /etc/nebula/...
+    server_cmd, site_cmd, submit_cmd = docs_block("how-to/across-machines.md", "nebula-fl server")
+    assert server_cmd[:3] == ["nebula-fl", "server", "--config"] and site_cmd[:3] == ["nebula-fl", "site", "--config"]
+    assert submit_cmd[:2] == ["nebula-fl", "submit"] and len(server_cmd) == len(site_cmd) == 4
     started = time.monotonic()
     try:
         certs = make_certificates(folder=tmp_path / "certs", hosts=["127.0.0.1", server.address], clusters=3)
         (tmp_path / "server.toml").write_text(
             f'work-dir = "server"\nhost = "0.0.0.0"\nport = {PORT}\ncerts = "certs"\ndatabase = "superlink.db"\n'
             f'register = [{", ".join(json.dumps(str(p)) for p in certs.cluster_public_keys)}]\n')
-        link = start(server, ["server", "--config", str(tmp_path / "server.toml")], "server")
+        link = start(server, [*server_cmd[1:3], str(tmp_path / "server.toml")], "server")
         roster = []
         for i in range(3):
             state = tmp_path / f"site-{i}"
@@ -94,7 +98,7 @@ def test_three_sites_on_their_own_hosts_under_tls_auth_and_secure_aggregation_su
             (tmp_path / f"site-{i}.toml").write_text(
                 f'cluster-id = {i}\nsuperlink = "127.0.0.1:18000"\nstate-dir = "site-{i}"\nca = "certs/ca.crt"\n'
                 f'node-key = "certs/cluster-{i}"\n' + trainer + (nodes + "node-rank = 0\n" if i == 0 else ""))
-            sites.append(start(host, ["site", "--config", str(tmp_path / f"site-{i}.toml")], f"site-{i}"))
+            sites.append(start(host, [*site_cmd[1:3], str(tmp_path / f"site-{i}.toml")], f"site-{i}"))
             if i == 0:  # its second machine: the trainer only, its ranks joining node 0's at the rendezvous
                 (tmp_path / "site-0b.toml").write_text('cluster-id = 0\nstate-dir = "site-0b"\n' + trainer + nodes
                                                        + "node-rank = 1\n")
@@ -113,7 +117,7 @@ def test_three_sites_on_their_own_hosts_under_tls_auth_and_secure_aggregation_su
                                     "min-clusters": 2, "wait-for-clusters": 3, "lr": 0.1, "secagg.enabled": True,
                                     "secagg.threshold": 2}).to_flat()
         app = write_app(tmp_path / "submit", flat)
-        submit = start(hosts["submitter"], ["submit", str(app), "fed"], "submit", env=child_env(home))
+        submit = start(hosts["submitter"], [submit_cmd[1], str(app), "fed"], "submit", env=child_env(home))
         runs = tmp_path / "server" / "runs"
         wait_for("round 1", lambda: len(metrics(runs)) >= 1, 400, submit, link, *sites)
         node = next(p for p in psutil.Process(sites[2].pid).children(recursive=True)

@@ -46,7 +46,7 @@ else
   NODE_DIR="${NODE_DIR:-$PWD/.nebula-node-$CLUSTER_ID}" STATE_DIR="${STATE_DIR:-$PWD/nebula-state-$CLUSTER_ID}"
   SOCKET="${SOCKET:-/tmp/nebula-trainer-$CLUSTER_ID.sock}"
   AS_TRAINER=() AS_NODE=() TRAINER_FLAGS=()
-  echo "cluster.sh: one user runs the trainer and the SuperNode; set TRAINER_USER (README: Deploying a cluster)" >&2
+  echo "cluster.sh: one user runs the trainer and the SuperNode; set TRAINER_USER (docs: Across machines, Deploying a cluster)" >&2
   mkdir -p -m 0700 "$NODE_DIR"
   export FLWR_HOME="${FLWR_HOME:-$PWD/.flwr-cluster-$CLUSTER_ID}"
 fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Once per cluster host, as root: the users, groups and folders of the documented deployment (README: Deploying a
+# Once per cluster host, as root: the users, groups and folders of the documented deployment (docs: Across machines, Deploying a
 # cluster). The trainer runs as TRAINER_USER and alone can read the cluster's data, its state folder (identity
 # and secure-aggregation keys, privacy ledger, snapshots, cached replies) and its privacy policy. The SuperNode
 # and its ClientApp runner run as NODE_USER; both users are in SOCKET_GROUP, which only the trainer's socket (in

@@ -10,7 +10,7 @@ nebula-fl version) and runs ``nebula_fl.clients.app:app`` from the installed pac
 error reply and one line in this runner's log; nothing of it is unpacked, installed, imported or executed.
 
 It is persistent, so a task costs no interpreter start and no imports (a ``flwr-clientapp`` spent a median 1.77 s
-of each hop on those, the runner 0.05 s: README, Where a round's time goes); tasks run on threads, so a
+of each hop on those, the runner 0.05 s: docs, Where a round's time goes); tasks run on threads, so a
 secure-aggregation query is answered while a round trains.
 """
 

@@ -5,7 +5,7 @@ in process isolation, TLS and node authentication unless the config says insecur
 (``nebula-fl clientapp``: only nebula-fl's own ClientApp runs here, whatever bundle a run brings). They start in
 that order and stop in the reverse one; the SuperNode's "refused" exit (Flower's 305) is waited out and retried
 (``deploy/supervisor.py``). All three run as the user that starts the site; the split into a trainer user and a
-SuperNode user stays the three-unit recipe of examples/across_machines (README: Deploying a cluster).
+SuperNode user stays the three-unit recipe of examples/across_machines (docs: Across machines, Deploying a cluster).
 """
 
 from __future__ import annotations

@@ -304,7 +304,7 @@ class Federation:
         self.console.print(f"federation started: {plan.clusters} cluster(s), logs in {self.logs}; each cluster runs "
                            "only nebula-fl's own ClientApp (app bundles are read as configuration)")
         self.console.print("one user runs every process here (a demo); across machines, run each cluster's trainer as "
-                           "its own user (README: Deploying a cluster)")
+                           "its own user (docs: Across machines, Deploying a cluster)")
 
     def _write_policy(self, cluster: int, roster: Path | None) -> Path:
         """Each cluster's own privacy policy, as its operator would write it for this run (never weaker), with

@@ -22,7 +22,8 @@ from typing import Any
 
 UNIT = {"sample": "each example's influence", "client": "each cluster's whole update"}
 UNIT_MEANING = {
-    "sample": "how much any single training example can change what its cluster sends out",
+    "sample": "how much any single training example (one row of the task's data: a labelled text, an instruction "
+              "record, a document) can change what its cluster sends out",
     "client": "how much a cluster's entire data set can change what the server learns from it",
 }
 ACCOUNTANT = {"prv": "Opacus's PRV accountant (numerical composition, an upper bound)",

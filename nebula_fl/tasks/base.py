@@ -69,6 +69,7 @@ class Task(ABC):
     """Subclass, set ``name``, implement the four abstract methods; see ``tasks/classify.py``."""
 
     name: ClassVar[str]
+    """The task's name: what `task.name` and `--task` say, and its entry point's name for a plug-in."""
     exchange: ClassVar[str] = "adapter"
     """'adapter': the PEFT adapter's state (less what is frozen and shared) crosses the WAN; 'full': every
     trainable weight does (pre-training)."""
@@ -87,6 +88,8 @@ class Task(ABC):
     """Privacy modes the task supports; 'sample' (per-example DP-SGD) needs a model Opacus can wrap and a per-example
     mean loss (``private_examples``)."""
     Options: ClassVar[type[Section]] = NoOptions
+    """The task's own `task.*` keys: a frozen ``nebula_fl.config.Section`` dataclass with PREFIX = "task", each
+    field documented and validated in ``__post_init__`` (a key the task does not read is refused)."""
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
     """Run-config keys merged over the generic preset of the same name (``nebula-fl run --task T --preset smoke``)."""
     defaults: ClassVar[dict[str, Any]] = {"lr": 5e-3, "lr-warmup-ratio": 0.0, "max-seq-len": 128}
@@ -94,6 +97,8 @@ class Task(ABC):
     overrides some and inherits the rest (``run_defaults``)."""
 
     def __init__(self, *, options: Mapping[str, Any] | None = None) -> None:
+        """The task with its `task.*` options, keys as the run config spells them (``{"task.mask-prob": 0.2}``):
+        a key it does not read is refused, naming the closest it does."""
         given = dict(options or {})
         known = self.Options.flat_keys()
         for key in given:  # a key this task does not read (a missing "task." prefix, a typo) is refused, not ignored
@@ -121,6 +126,7 @@ class Task(ABC):
         return int(self.run_defaults()["max-seq-len"] if value is None else value)
 
     def tokenizer(self, setup: TaskSetup):
+        """The tokenizer of the model at ``setup.path`` (override for a model that brings its own)."""
         from nebula_fl.model.loading import load_tokenizer
 
         return load_tokenizer(setup.path)
@@ -238,6 +244,7 @@ class Task(ABC):
         return fingerprint(model)
 
     def describe(self) -> dict[str, Any]:
+        """What the run's start line and summary say of the task: its name, exchange, metric and options."""
         return {"task": self.name, "exchange": self.exchange, "metric": self.metric, **self.options.to_flat()}
 
 
