@@ -264,3 +264,31 @@ def test_an_adapter_task_whose_model_is_not_the_peft_model_is_told_what_to_retur
         task.exchanged(Wrapper())
     with pytest.raises(NebulaError, match="returned a Wrapper"):
         task.load_exchanged(Wrapper(), {})
+
+
+def test_a_task_whose_examples_fail_is_refused_at_launch_in_one_line(tiny_model):
+    """examples() is tried on the first records before anything starts (the launcher does it), not first met by
+    every cluster in every round; under per-example DP its rows must be its records."""
+    from nebula_fl.config import ModelConfig
+    from nebula_fl.errors import NebulaError
+    from nebula_fl.tasks import TaskSetup
+    from nebula_fl.tasks.first_records import try_examples
+
+    train, _ = train_test_split(DataConfig(dataset="bbcnews", max_examples=100), seed=0)
+    setup = TaskSetup(model=ModelConfig(model=str(tiny_model)), labels=train.label_names, seed=0, path=tiny_model)
+    try_examples(ClassifyTask(), setup=setup, texts=train.texts, labels=train.labels)  # the built-in passes
+
+    def broken(self, **kwargs):
+        return {}["missing"]
+
+    with pytest.raises(NebulaError, match=r"^task 'variant' could not make training examples of the first 8 records "
+                                          r"\(KeyError: 'missing'\); fix the task's examples\(\) or the data$"):
+        try_examples(_variant(examples=broken)(), setup=setup, texts=train.texts, labels=train.labels)
+
+    def packed(self, **kwargs):
+        return ClassifyTask.examples(self, **{**kwargs, "texts": kwargs["texts"][:4], "labels": kwargs["labels"][:4]})
+
+    private = TaskSetup(model=setup.model, labels=setup.labels, seed=0, path=tiny_model, privacy_mode="sample")
+    try_examples(_variant(examples=packed)(), setup=setup, texts=train.texts, labels=train.labels)  # fine without DP
+    with pytest.raises(NebulaError, match=r"made 4 rows of its first 8 records under per-example DP"):
+        try_examples(_variant(examples=packed)(), setup=private, texts=train.texts, labels=train.labels)

@@ -18,12 +18,13 @@ from flwr.common.config import parse_config_args
 from nebula_fl.clients.protocol import key_path
 from nebula_fl.components import resolve, settle
 from nebula_fl.config import PRESETS, RunConfig, check_known_keys
-from nebula_fl.data.datasets import plan_partition, resolve_dataset_path
+from nebula_fl.data.datasets import plan_partition, resolve_dataset_path, train_test_split
 from nebula_fl.devices import PRECISIONS, check_visible, resolve_precision, server_device, visible_gpus, worker_devices
 from nebula_fl.errors import NebulaError
 from nebula_fl.model.locate import resolve_model_path
 from nebula_fl.storage.run_folder import RunFolder
-from nebula_fl.tasks import task_class
+from nebula_fl.tasks import TaskSetup, make_task, task_class
+from nebula_fl.tasks.first_records import try_examples
 
 FLAG_KEYS = {
     "rounds": "num-server-rounds",
@@ -334,6 +335,10 @@ def _check(plan: LaunchPlan) -> None:
                 f"{plan.clusters} clusters ({workers} worker(s) need at least {workers}); raise the Dirichlet "
                 "alpha, use fewer clusters, or use 'iid'"
             )
+    train, _ = train_test_split(cfg.data, seed=cfg.federation.seed, targets=task.targets)
+    try_examples(make_task(cfg.task.name, cfg.task_options), setup=TaskSetup(
+        model=cfg.model, labels=list(train.label_names), seed=cfg.federation.seed,
+        path=resolve_model_path(cfg.model.model), privacy_mode=cfg.privacy.mode), texts=train.texts, labels=train.labels)
     if plan.port and not port_free(plan.port):
         raise NebulaError(f"port {plan.port} on 127.0.0.1 is in use; pass --port N (or --port 0 to pick a free one)")
     per_cluster = [worker_devices(spec, workers=w, where=f"--device (cluster {i})")
