@@ -194,6 +194,10 @@ def figures(runs: dict[str, dict], *, chain_run: str) -> dict[str, float | None]
         out["exact_match_cost_points_compressed"] = 100.0 * (last[FEDERATED]["exact-match"] - last[chain_run]["exact-match"])
     out["first_round_within_loss_goal"] = first_round_within(fed["curve"], runs[CENTRALIZED]["curve"],
                                                              relative=GOALS["loss_gap_relative"][1])
+    demo_rounds = int(DEMO["num-server-rounds"])
+    reference = next((p["loss"] for p in runs[CENTRALIZED]["curve"] if p["round"] == demo_rounds), None)
+    out["round_reaching_centralized_demo_loss"] = None if reference is None else rounds_to_reach(
+        fed["curve"], target=reference, relative=GOALS["loss_gap_relative"][1])
     stock_late = runs.get(FLOWER, {}).get("bytes_per_round_per_cluster_from_round_2")
     out["bytes_ratio_vs_flower_lora_from_round_2"] = ratio(stock_late, fed.get("bytes_per_round_per_cluster_from_round_2"))
     out["zero_shot_loss"] = fed["curve"][0]["loss"] if fed["curve"][0]["round"] == 0 else None
@@ -211,6 +215,12 @@ def first_round_within(fed: list[dict], reference: list[dict], *, relative: floa
         if all(ok[q] for q in rounds if q >= r):
             return r
     return None
+
+
+def rounds_to_reach(curve: list[dict], *, target: float, relative: float) -> int | None:
+    """The first round whose held-out loss is within `relative` of `target` (at or below target x (1 + relative)),
+    or None if none is."""
+    return next((p["round"] for p in curve if p["round"] >= 1 and p["loss"] <= target * (1 + relative)), None)
 
 
 def judge(values: dict[str, float | None]) -> dict[str, dict[str, Any]]:
@@ -385,7 +395,7 @@ def goals_table(results: dict) -> Any:
     for key, g in results["goals"].items():
         fmt = ".4f" if "relative" in key else ".2f"
         shown.add_row(key, _num(g["value"], fmt), g["goal"].replace("<=", "≤").replace(">=", "≥"), "yes" if g["met"] else "[bold red]MISSED[/]")
-    for key in ("first_round_within_loss_goal", "bytes_ratio_vs_flower_lora", "bytes_ratio_vs_flower_lora_from_round_2",
+    for key in ("first_round_within_loss_goal", "round_reaching_centralized_demo_loss", "bytes_ratio_vs_flower_lora", "bytes_ratio_vs_flower_lora_from_round_2",
                 "bytes_ratio_vs_flower_lora_compressed", "loss_cost_relative_compressed",
                 "exact_match_cost_points_compressed", "exact_match_resolution_points"):
         value = results["figures"].get(key)
@@ -406,6 +416,8 @@ def main() -> int:
     parser.add_argument("--codec", default="topk:0.25+int4", help="the compressed chain of run 3")
     parser.add_argument("--wan", default="20mbit:100ms", help="the link of the byte-counting runs (1, 3, 4)")
     parser.add_argument("--out", default="benchmarks/results/causal")
+    parser.add_argument("--report-only", action="store_true",
+                        help="no runs: the report again from OUT's runs.json and measured.json (the same flags)")
     args = parser.parse_args()
     if args.clusters < 2:
         parser.error("--clusters must be 2 or more: the centralized run is the 1-cluster case")
@@ -415,8 +427,15 @@ def main() -> int:
             parser.error("--rounds must be 1 or more")
         mode = dataclasses.replace(mode, rounds=args.rounds)
     console = Console(highlight=False, width=150)
-    out = fresh_out(args.out)
     cfg = run_config(mode, partition=args.partition, seed=args.seed)
+    if args.report_only:
+        out = Path(args.out)
+        measured = json.loads((out / "measured.json").read_text())
+        runs = json.loads((out / "runs.json").read_text())
+        report(runs, args=args, mode=mode, cfg=cfg, out=out, console=console, records=measured["records"],
+               memory=measured["memory"], wall_seconds=sum(r["wall_seconds"] for r in runs.values()))
+        return 0
+    out = fresh_out(args.out)
     chain_run = f"{FEDERATED}-{args.codec}"
     started = time.monotonic()
     records = records_figures(console)

@@ -122,3 +122,11 @@ def test_the_decoder_memory_model_is_the_readme_arithmetic():
     assert memory.modelled_mb_per_token(layers=30, hidden=576, mlp=1536) == pytest.approx(1.362, abs=1e-3)
     assert memory.modelled_mb_per_token(layers=16, hidden=2048, mlp=8192) == pytest.approx(3.25, abs=1e-3)
     assert memory.modelled_mb_per_token(layers=16, hidden=2048, mlp=8192, bytes_per_value=2) == pytest.approx(1.625)
+
+
+def test_the_round_the_federation_reaches_a_loss_is_the_first_within_the_margin():
+    curve = [{"round": r, "loss": loss} for r, loss in ((0, 3.0), (1, 1.2), (2, 0.9), (3, 0.5))]
+    assert causal.rounds_to_reach(curve, target=0.89, relative=0.02) == 2  # 0.9 <= 0.9078
+    assert causal.rounds_to_reach(curve, target=0.8, relative=0.02) == 3
+    assert causal.rounds_to_reach(curve, target=0.1, relative=0.02) is None
+    assert causal.rounds_to_reach(curve, target=3.0, relative=0.0) == 1  # round 0 (zero-shot) never counts
