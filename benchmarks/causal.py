@@ -336,7 +336,7 @@ def plot(results: dict, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=120)
     styles = {CENTRALIZED: ("o", "-"), DATA_PARALLEL: ("s", "--"), FEDERATED: ("^", "-"),
-              results["chain_run"]: ("D", ":")}  # data-parallel and federated nearly coincide: tell them apart
+              results["chain_run"]: ("D", ":"), FLOWER: ("x", "-.")}  # close curves: told apart by marker and line
     for name, (marker, line) in styles.items():
         if name not in results["runs"]:
             continue
@@ -344,7 +344,8 @@ def plot(results: dict, path: Path) -> None:
         rounds = [p["round"] for p in points]
         left.plot(rounds, [p["loss"] for p in points], marker=marker, linestyle=line, label=name)
         right.plot(rounds, [100.0 * p["exact-match"] for p in points], marker=marker, linestyle=line, label=name)
-    left.set_ylabel("held-out loss per learned token")
+    left.set_ylabel("held-out loss per learned token (log)")
+    left.set_yscale("log")  # the late rounds, where the runs differ by tens of percent, stay readable
     right.set_ylabel("held-out exact match (%)")
     for ax in (left, right):
         ax.set_xlabel("round (0: the pretrained model, zero-shot)")
@@ -482,7 +483,7 @@ def report(runs: dict[str, dict], *, args: argparse.Namespace, mode: Mode, cfg: 
     values["exact_match_resolution_points"] = 100.0 / test_records if test_records else None
     goals = judge(values)
     results = {
-        "benchmark": "causal", "quick": args.quick, "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "benchmark": "causal", "quick": args.quick, "command": shlex.join([Path(sys.executable).name, *(a for a in sys.argv if a != "--report-only")]),
         "model": {"name": "smollm2", "what": MODEL_NOTE, "pretrained": True, "task": "causal-lm",
                   "lora_target_modules": cfg.model.lora_target_modules, "lora_r": cfg.model.lora_r},
         "settings": {"rounds": mode.rounds, "local_steps": mode.local_steps,
