@@ -107,7 +107,7 @@ class RunModel:
         """The greedy completion of `prompt`, formatted as training formatted it, ended by a stop token."""
         from transformers import GenerationConfig
 
-        from nebula_fl.tasks.causal_lm import pad_token
+        from nebula_fl.tasks.causal_lm import pad_token, until_stop
 
         ids = self.task.prompt_ids(self.tokenizer, prompt)  # as training did
         if not ids:
@@ -123,11 +123,7 @@ class RunModel:
         self.model.eval()
         out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                   generation_config=config)
-        new = [int(t) for t in out[0, len(ids):]]
-        end = next((k for k, t in enumerate(new) if t in stops), None)
-        stopped = end is not None
-        if stopped:
-            new = new[:end]
+        new, stopped = until_stop([int(t) for t in out[0, len(ids):]], stops)
         return Completion(text=self.tokenizer.decode(new, skip_special_tokens=True), token_ids=new, stopped=stopped)
 
 

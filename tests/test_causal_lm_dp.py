@@ -179,3 +179,31 @@ def test_the_trainer_runs_causal_lm_under_sample_dp_and_refuses_fsdp(tmp_path, t
     assert sum(float(np.abs(v).sum()) for v in update.values()) > 0
     with pytest.raises(RequestError, match=r"^cluster 0: per-example DP .* runs with --parallel ddp only"):
         trainer(tmp_path, tiny_model, one_rank, parallel="fsdp").train_round(config, start, admission)
+
+
+def test_the_trainer_refuses_a_task_whose_rows_are_not_its_records_under_sample_dp(tmp_path, tiny_model, one_rank,
+                                                                                    monkeypatch):
+    """Opacus samples rows and the accounting counts records: a task that makes fewer rows than records (packing,
+    dropping) is refused in the cluster's reply, naming it and the counts, before any step."""
+    from nebula_fl.clients.trainer import RequestError
+    from nebula_fl.privacy.policy import Admission
+    from nebula_fl.tasks.causal_lm import CausalLMTask
+
+    task, model, _ = parts(tiny_model)
+    cfg = RunConfig().replace({"model": str(tiny_model), "local-steps": 1, "batch-size": 4, "max-seq-len": 32,
+                               "lora-target-modules": "q_proj,v_proj"})
+    config = {**cfg.train.to_flat(), **cfg.model.to_flat(), "labels": [], "federation-id": "fed1", "seed": 0,
+              "server-round": 1, "num-server-rounds": 1, "task.name": "causal-lm", **SIZES,
+              "privacy.mode": "sample", "privacy.batch-size": 8, "privacy.noise-multiplier": 0.5,
+              "frozen-fingerprint": task.fingerprint(model)}
+    admission = Admission(allowed=True, mode="sample", noise_multiplier=0.5, sample_rate=0.25, steps=1,
+                          max_grad_norm=1.0)
+    examples = CausalLMTask.examples
+
+    def one_short(self, *, texts, labels, **kwargs):  # a task that leaves one record out of its rows
+        return examples(self, texts=texts[:-1], labels=labels[:-1], **kwargs)
+
+    monkeypatch.setattr(CausalLMTask, "examples", one_short)
+    with pytest.raises(RequestError, match=r"^task 'causal-lm' made 31 rows of this cluster's 32 records under "
+                                           r"per-example DP; its examples\(\) must return one row per record"):
+        trainer(tmp_path, tiny_model, one_rank).train_round(config, task.exchanged(model), admission)

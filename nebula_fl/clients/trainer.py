@@ -56,6 +56,7 @@ from nebula_fl.privacy.dp_recipe import learning_rate, logical_batch
 from nebula_fl.privacy.policy import Admission
 from nebula_fl.tasks import Task, TaskSetup, make_task, task_class
 from nebula_fl.tasks.base import GlobalWeights
+from nebula_fl.tasks.first_records import check_rows
 
 Arrays = dict[str, np.ndarray]
 
@@ -418,10 +419,8 @@ class ClusterTrainer:
 
         self.dp_data = self.task.examples(setup=self.task_setup, tokenizer=self.tokenizer, texts=self.ctx.shard.texts,
                                           labels=self.labels, train=True)
-        if len(self.dp_data) != len(self.ctx.shard.texts):  # Opacus samples rows; the accounting counts records
-            raise RequestError(f"task '{self.task.name}' made {len(self.dp_data):,} rows of the {len(self.ctx.shard.texts):,} "
-                               "records of this cluster under per-example DP; its examples() must return one row per "
-                               "record when setup.privacy_mode is 'sample' (the unit the privacy accounting counts)")
+        check_rows(self.task, rows=len(self.dp_data), records=len(self.ctx.shard.texts), whose="this cluster's",
+                   error=RequestError)
         params = [p for p in self.model_core.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
         self.private = make_private(model=self.model_core, optimizer=optimizer,

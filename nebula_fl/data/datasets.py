@@ -97,9 +97,12 @@ def train_test_split(cfg: SplitSpec, *, seed: int, targets: str = "classes") -> 
     return data.subset(train_idx), data.subset(test_idx)
 
 
-def plan_partition(cfg: SplitSpec, *, seed: int, num_clusters: int, targets: str = "classes") -> list[np.ndarray]:
-    """Each cluster's training indices (into the train split); used to check the plan before launch."""
-    train, _ = train_test_split(cfg, seed=seed, targets=targets)
+def plan_partition(cfg: SplitSpec, *, seed: int, num_clusters: int, targets: str = "classes",
+                   train: TextDataset | None = None) -> list[np.ndarray]:
+    """Each cluster's training indices (into the train split); used to check the plan before launch. `train`: the
+    split already made by a caller that needs it too (the dataset is then read once)."""
+    if train is None:
+        train, _ = train_test_split(cfg, seed=seed, targets=targets)
     return _parts(train, cfg, seed=seed, num_clusters=num_clusters)
 
 

@@ -325,9 +325,11 @@ def _check(plan: LaunchPlan) -> None:
     """Refuse the plan before anything starts, and settle its config's task-dependent "auto" keys."""
     task = resolve(plan.config).task  # the task, the strategy and their options: refused here, before anything starts
     plan.config = cfg = settle(plan.config)  # the run folder records the task's numbers, not "auto"
-    resolve_model_path(cfg.model.model)
+    model_path = resolve_model_path(cfg.model.model)
     resolve_dataset_path(cfg.data.dataset)
-    parts = plan_partition(cfg.data, seed=cfg.federation.seed, num_clusters=plan.clusters, targets=task.targets)
+    train, _ = train_test_split(cfg.data, seed=cfg.federation.seed, targets=task.targets)
+    parts = plan_partition(cfg.data, seed=cfg.federation.seed, num_clusters=plan.clusters, targets=task.targets,
+                           train=train)
     for i, (part, workers) in enumerate(zip(parts, plan.workers, strict=True)):
         if len(part) < workers:
             raise NebulaError(
@@ -335,10 +337,9 @@ def _check(plan: LaunchPlan) -> None:
                 f"{plan.clusters} clusters ({workers} worker(s) need at least {workers}); raise the Dirichlet "
                 "alpha, use fewer clusters, or use 'iid'"
             )
-    train, _ = train_test_split(cfg.data, seed=cfg.federation.seed, targets=task.targets)
     try_examples(make_task(cfg.task.name, cfg.task_options), setup=TaskSetup(
-        model=cfg.model, labels=list(train.label_names), seed=cfg.federation.seed,
-        path=resolve_model_path(cfg.model.model), privacy_mode=cfg.privacy.mode), texts=train.texts, labels=train.labels)
+        model=cfg.model, labels=list(train.label_names), seed=cfg.federation.seed, path=model_path,
+        privacy_mode=cfg.privacy.mode), texts=train.texts, labels=train.labels)
     if plan.port and not port_free(plan.port):
         raise NebulaError(f"port {plan.port} on 127.0.0.1 is in use; pass --port N (or --port 0 to pick a free one)")
     per_cluster = [worker_devices(spec, workers=w, where=f"--device (cluster {i})")

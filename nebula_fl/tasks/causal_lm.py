@@ -173,11 +173,18 @@ def turn_end(tokenizer, *, template: str) -> list[int]:
     return ids if _special_ids(tokenizer) & set(ids) else [*ids, eos]
 
 
-def stop_tokens(tokenizer, *, template: str) -> list[int]:
-    """Where greedy decoding stops: the template's turn-end token (the first special one it writes) and EOS."""
+def stop_tokens(tokenizer, *, template: str, end: list[int] | None = None) -> list[int]:
+    """Where greedy decoding stops: the template's turn-end token (the first special one it writes) and EOS
+    (`end`: ``turn_end``'s tokens, when the caller has them)."""
     special = _special_ids(tokenizer)
-    first = [t for t in turn_end(tokenizer, template=template) if t in special][:1]
-    return list(dict.fromkeys([*first, end_token(tokenizer)]))
+    end = turn_end(tokenizer, template=template) if end is None else end
+    return list(dict.fromkeys([*[t for t in end if t in special][:1], end_token(tokenizer)]))
+
+
+def until_stop(ids: list[int], stops: Sequence[int]) -> tuple[list[int], bool]:
+    """Generated `ids` up to the first stop token, and whether one came (else the token limit cut them)."""
+    end = next((k for k, t in enumerate(ids) if t in stops), None)
+    return (ids, False) if end is None else (ids[:end], True)
 
 
 def conversation_pieces(tokenizer, turns: Sequence[tuple[str, str]], answer: str, *, template: str,
@@ -304,7 +311,7 @@ class CausalRecords:
         self.pad_id, self.eos = pad_token(tokenizer), end_token(tokenizer)
         instruct = objective == "instruct"
         end = turn_end(tokenizer, template=template) if instruct else [self.eos]
-        self.stops = stop_tokens(tokenizer, template=template) if instruct else [self.eos]
+        self.stops = stop_tokens(tokenizer, template=template, end=end) if instruct else [self.eos]
         self.end_len = len(end)
         self.ids: list[np.ndarray] = []
         self.labels: list[np.ndarray] = []
@@ -454,9 +461,8 @@ def generated_exact_match(model: nn.Module, records: CausalRecords, *, batch_siz
             ids[j, width - len(prompt):], mask[j, width - len(prompt):] = torch.from_numpy(prompt), 1
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
         for j, i in enumerate(chunk):
-            new = [int(t) for t in out[j, width:]]
-            stop = next((k for k, t in enumerate(new) if t in records.stops), len(new))
-            text = records.tokenizer.decode(new[:stop], skip_special_tokens=True)
+            answer, _ = until_stop([int(t) for t in out[j, width:]], records.stops)
+            text = records.tokenizer.decode(answer, skip_special_tokens=True)
             hits += normalise_answer(text) == normalise_answer(str(records.answers[i]))
     return hits, len(rows)
 

@@ -27,7 +27,14 @@ def try_examples(task: Task, *, setup: TaskSetup, texts: Sequence[str], labels: 
         raise NebulaError(f"task '{task.name}' could not make training examples of the first {len(texts)} records "
                           f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else 'no message'}); "
                           "fix the task's examples() or the data") from None
-    if setup.privacy_mode == "sample" and rows != len(texts):
-        raise NebulaError(f"task '{task.name}' made {rows} rows of its first {len(texts)} records under per-example DP; "
-                          "its examples() must return one row per record when setup.privacy_mode is 'sample' (the "
-                          "unit the privacy accounting counts)")
+    if setup.privacy_mode == "sample":
+        check_rows(task, rows=rows, records=len(texts), whose="its first")
+
+
+def check_rows(task: Task, *, rows: int, records: int, whose: str, error: type[NebulaError] = NebulaError) -> None:
+    """Under per-example DP a task's examples are its records, one row each (Opacus samples rows, the accounting
+    counts records): else `error`, naming the task and the counts (`whose`: "its first", "this cluster's")."""
+    if rows != records:
+        raise error(f"task '{task.name}' made {rows:,} rows of {whose} {records:,} records under per-example DP; its "
+                    "examples() must return one row per record when setup.privacy_mode is 'sample' (the unit the "
+                    "privacy accounting counts)")
